@@ -1,0 +1,27 @@
+# `make demo` and `make test` set themselves up on a fresh machine: a .venv, torch pinned to the
+# CPU build first (a looser requirement can pull several GB of CUDA packages), then this package.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/spmd-expand train
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) bench/expand_speed.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
