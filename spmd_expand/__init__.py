@@ -1,0 +1,30 @@
+"""spmd_expand: compile a single-device PyTorch train step into an SPMD program.
+
+    import spmd_expand as spmd
+
+    @spmd.compile(mesh=mesh, plan=spmd.DDP())
+    def train_step(model, optimizer, x, y): ...
+
+Stages (one module each): trace -> propagate -> expand -> passes -> lower; see ``api.compile``.
+"""
+
+from . import ops  # noqa: F401  (registers spmd_expand::gradient)
+from .api import CompiledStep, Override, StepArtifacts, compile
+from .dsymint import DSymInt
+from .errors import PlacementError, PlanError, SpmdError, TraceError, UnsupportedOpError
+from .plans import DDP, ParallelStyle
+
+__all__ = [
+    "compile",
+    "CompiledStep",
+    "StepArtifacts",
+    "Override",
+    "DDP",
+    "ParallelStyle",
+    "DSymInt",
+    "SpmdError",
+    "TraceError",
+    "PlanError",
+    "UnsupportedOpError",
+    "PlacementError",
+]

@@ -1,0 +1,331 @@
+"""``spmd.compile``: the user-facing entry point, and the training state it keeps as DTensors.
+
+Pipeline per distinct input signature (first call, and again when e.g. optimizer state appears):
+trace (global graph) -> propagate (placements) -> expand (local graph) -> passes -> lower.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
+from torch.nn.utils._named_member_accessor import NamedMemberAccessor
+
+from .errors import PlanError, SpmdError, TraceError
+from .expand import RedistributeCache, expand
+from .lower import LOWERINGS, lower
+from .plans import Plan, ResolvedPlan, resolve_plan
+from .propagate import propagate
+from .spec import replicate
+from .trace import InputRole, OutputRole, TensorSpec, TracedStep, trace_step
+
+__all__ = ["compile", "CompiledStep", "Override", "StepArtifacts"]
+
+
+class Override:
+    """Swap a submodule that cannot be traced for a traceable stand-in while the step is traced.
+
+    Subclass and implement :meth:`replacement`; optionally :meth:`transform`, which receives the
+    expanded local graph. The stand-in must hold the original's parameters (the same tensor objects)
+    so they keep their FQNs' placements; it may hold no parameters of its own.
+    """
+
+    def replacement(self, fqn: str, module: nn.Module) -> nn.Module:
+        """The stand-in for submodule ``fqn`` (return ``module`` itself to keep it)."""
+        raise NotImplementedError
+
+    def transform(self, gm: fx.GraphModule) -> fx.GraphModule:
+        """Rewrite the expanded local graph (e.g. splice the real computation back in)."""
+        return gm
+
+
+@dataclass
+class StepArtifacts:
+    """What one compilation produced; kept for inspection (tests, ``spmd-expand dump``)."""
+
+    traced: TracedStep
+    local_graph: fx.GraphModule
+    runner: Callable[..., list]
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def _find(leaves: Sequence[Any], kind: type, what: str, at_most_one: bool) -> Optional[Any]:
+    found = list({id(x): x for x in leaves if isinstance(x, kind)}.values())
+    if len(found) > 1 or (not at_most_one and not found):
+        raise TraceError(
+            f"spmd.compile needs exactly one nn.Module{' and at most one torch.optim.Optimizer' if at_most_one else ''} "
+            f"among the step's arguments; found {len(found)} {what}. Wrap several modules in one nn.Module "
+            f"(and use one optimizer over all parameters)."
+        )
+    return found[0] if found else None
+
+
+def _rebind_parameters(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], new: dict[int, nn.Parameter]) -> None:
+    """Replace parameters everywhere they are referenced: owning modules (tied ones too) and optimizer."""
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and id(p) in new:
+                module._parameters[name] = new[id(p)]
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            for i, p in enumerate(group["params"]):
+                if id(p) in new:
+                    old = p
+                    group["params"][i] = new[id(p)]
+                    if old in optimizer.state:
+                        optimizer.state[new[id(old)]] = optimizer.state.pop(old)
+
+
+class CompiledStep:
+    """A train step compiled for a mesh and plan; call it like the original step."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        mesh: DeviceMesh,
+        plan: Plan,
+        lower: str = "inductor",
+        passes: Optional[Sequence[Callable[[fx.GraphModule], Any]]] = None,
+        module_override: Optional[Sequence[Override]] = None,
+    ):
+        if lower not in LOWERINGS:
+            raise SpmdError(f"lower={lower!r} is not one of {LOWERINGS}")
+        self.fn = fn
+        self.mesh = mesh
+        self.plan = plan
+        self.lower = lower
+        self.passes = list(passes or [])
+        self.module_override = list(module_override or [])
+        self.cache: dict[tuple, StepArtifacts] = {}
+        self.redistribute_cache = RedistributeCache()
+        self._resolved: Optional[ResolvedPlan] = None
+        functools.update_wrapper(self, fn)
+
+    # ------------------------------------------------------------------ state as DTensors
+    def _distribute_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
+        """Turn parameters (and existing optimizer states) into DTensors with the plan's placements.
+
+        Replicated parameters are broadcast from rank 0 (``distribute_tensor``), as DDP does at
+        construction; sharded ones keep this rank's shard of the full tensor every rank holds.
+        """
+        plan = self._resolved
+        new: dict[int, nn.Parameter] = {}
+        for fqn, p in model.named_parameters():
+            if isinstance(p, DTensor):
+                continue
+            dt = distribute_tensor(p.detach(), self.mesh, plan.param_placements(fqn, p))
+            new[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
+        fqn_of = {id(p): fqn for fqn, p in model.named_parameters()}
+        if optimizer is not None:
+            for p, st in optimizer.state.items():
+                for key, v in list(st.items()):
+                    if isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
+                        st[key] = distribute_tensor(v, self.mesh, plan.state_placements(fqn_of[id(p)], p, v))
+        # Buffers stay plain tensors: replicated, every rank holds the full value.
+        _rebind_parameters(model, optimizer, new)
+
+    # ------------------------------------------------------------------ inputs
+    def _inputs(self, model, optimizer, batch_leaves):
+        """(roles, global specs, placements, local tensors) of every graph input, in graph order."""
+        plan = self._resolved
+        roles, specs, placements, locals_ = [], [], [], []
+
+        def add(role, global_shape, t, pl, dynamic=()):
+            roles.append(role)
+            specs.append(TensorSpec(tuple(global_shape), t.dtype, t.device, tuple(dynamic)))
+            placements.append(tuple(pl))
+            locals_.append(t.to_local() if isinstance(t, DTensor) else t)
+
+        params = dict(model.named_parameters())
+        for fqn, p in params.items():
+            add(InputRole("param", fqn), p.shape, p, p.placements)
+        for fqn, b in model.named_buffers():
+            add(InputRole("buffer", fqn), b.shape, b, replicate(self.mesh))
+        for fqn, p in params.items():
+            if p.grad is not None:
+                add(InputRole("grad", fqn), p.grad.shape, p.grad, p.grad.placements)
+        if optimizer is not None:
+            for fqn, p in params.items():
+                for key, v in optimizer.state.get(p, {}).items():
+                    if isinstance(v, DTensor):
+                        add(InputRole("state", fqn, key), v.shape, v, v.placements)
+        for i, t in enumerate(batch_leaves):
+            pl = plan.batch_placements(t)
+            shape = list(t.shape)
+            dynamic = []
+            for mesh_dim, p in enumerate(pl):
+                if isinstance(p, Shard):
+                    shape[p.dim] *= self.mesh.size(mesh_dim)
+                    dynamic.append(p.dim)
+            # Size-0/1 dims are specialized by the shape env; they cannot be symbolic.
+            dynamic = [d for d in dynamic if shape[d] >= 2]
+            add(InputRole("batch", key=str(i)), shape, t, pl, dynamic)
+        return roles, specs, placements, locals_
+
+    # ------------------------------------------------------------------ compile
+    def _compile(self, args, kwargs, model, optimizer, batch_leaves, roles, specs, placements, locals_) -> StepArtifacts:
+        seconds: dict[str, float] = {}
+        clock = time.perf_counter()
+        with _overrides(model, self.module_override):
+            traced = trace_step(self.fn, args, kwargs, model, optimizer, roles, specs)
+        seconds["trace"] = time.perf_counter() - clock
+
+        clock = time.perf_counter()
+        out_placements = _state_output_placements(traced, model, self.mesh, self._resolved)
+        propagate(traced, self.mesh, placements, out_placements, lambda fqn: self._resolved.grad_placements(fqn, dict(model.named_parameters())[fqn]))
+        seconds["propagate"] = time.perf_counter() - clock
+
+        clock = time.perf_counter()
+        local = expand(traced.graph_module, self.redistribute_cache)
+        seconds["expand"] = time.perf_counter() - clock
+
+        clock = time.perf_counter()
+        for p in self.passes:
+            result = p(local)
+            local = getattr(result, "graph_module", result) or local
+        for override in self.module_override:
+            local = override.transform(local)
+        seconds["passes"] = time.perf_counter() - clock
+
+        clock = time.perf_counter()
+        runner = lower(local, locals_, self.lower)
+        seconds["lower"] = time.perf_counter() - clock
+        return StepArtifacts(traced, local, runner, seconds)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, _ = pytree.tree_flatten((args, kwargs))
+        model = _find(leaves, nn.Module, "modules", at_most_one=False)
+        optimizer = _find(leaves, torch.optim.Optimizer, "optimizers", at_most_one=True)
+        if self._resolved is None:
+            self._resolved = resolve_plan(self.plan, self.mesh, model)
+            self._distribute_state(model, optimizer)
+        batch_leaves = [x for x in leaves if isinstance(x, torch.Tensor)]
+        # The step updates local shards in place; autograd must not track that.
+        with torch.no_grad():
+            return self._run(args, kwargs, model, optimizer, leaves, batch_leaves)
+
+    def _run(self, args, kwargs, model, optimizer, leaves, batch_leaves) -> Any:
+        roles, specs, placements, locals_ = self._inputs(model, optimizer, batch_leaves)
+        constants = tuple(repr(x) for x in leaves if not isinstance(x, (torch.Tensor, nn.Module, torch.optim.Optimizer)))
+        key = (tuple(zip(roles, specs, placements)), constants)
+        artifacts = self.cache.get(key)
+        if artifacts is None:
+            artifacts = self._compile(args, kwargs, model, optimizer, batch_leaves, roles, specs, placements, locals_)
+            self.cache[key] = artifacts
+        self.last = artifacts
+        outputs = artifacts.runner(*locals_)
+        return self._write_back(artifacts.traced, outputs, model, optimizer)
+
+    def _write_back(self, traced: TracedStep, outputs: Sequence[torch.Tensor], model, optimizer) -> Any:
+        """Store new optimizer states and gradients as DTensors; return the user's values."""
+        params = dict(model.named_parameters())
+        returns = []
+        for role, value, out_node_spec in zip(traced.outputs, outputs, traced.graph_module.graph.output_node().meta["spmd"].inputs):
+            if role.kind == "return":
+                returns.append(value)
+                continue
+            dt = DTensor.from_local(value, self.mesh, out_node_spec.placements, run_check=False,
+                                    shape=out_node_spec.tensor_meta.shape, stride=out_node_spec.tensor_meta.stride)
+            if role.kind == "state":
+                optimizer.state[params[role.fqn]][role.key] = dt
+            else:
+                params[role.fqn].grad = dt
+        values = iter(returns)
+        filled = [next(values) if is_tensor else None for is_tensor in traced.return_is_tensor]
+        return pytree.tree_unflatten(filled, traced.return_spec)
+
+
+def _state_output_placements(traced: TracedStep, model: nn.Module, mesh: DeviceMesh, plan: ResolvedPlan) -> list:
+    params = dict(model.named_parameters())
+    result = []
+    for role, node in zip(traced.outputs, traced.graph_module.graph.output_node().args[0]):
+        if role.kind == "return":
+            result.append(replicate(mesh))
+        elif role.kind == "grad":
+            result.append(plan.grad_placements(role.fqn, params[role.fqn]) or replicate(mesh))
+        else:
+            shape = tuple(int(s) for s in node.meta["val"].shape)
+            p = params[role.fqn]
+            result.append(tuple(p.placements) if shape == tuple(p.shape) else replicate(mesh))
+    return result
+
+
+class _overrides:
+    """Swap submodules per ``Override.replacement`` for the duration of tracing."""
+
+    def __init__(self, model: nn.Module, overrides: Sequence[Override]):
+        self.model = model
+        self.overrides = overrides
+        self.swapped: list[tuple[str, nn.Module]] = []
+
+    def __enter__(self):
+        if not self.overrides:
+            return self
+        accessor = NamedMemberAccessor(self.model)
+        before = {id(p) for p in self.model.parameters()}
+        for fqn, module in list(self.model.named_modules()):
+            if not fqn:
+                continue
+            for override in self.overrides:
+                stand_in = override.replacement(fqn, module)
+                if stand_in is not module:
+                    self.swapped.append((fqn, accessor.swap_submodule(fqn, stand_in)))
+                    break
+        extra = {id(p) for p in self.model.parameters()} - before
+        if extra:
+            self.__exit__(None, None, None)
+            raise TraceError("an Override's stand-in holds parameters the original model does not; reuse the original's")
+        return self
+
+    def __exit__(self, *exc):
+        accessor = NamedMemberAccessor(self.model)
+        for fqn, original in reversed(self.swapped):
+            accessor.swap_submodule(fqn, original)
+        self.swapped.clear()
+        return False
+
+
+def compile(
+    *,
+    mesh: DeviceMesh,
+    plan: Plan,
+    lower: str = "inductor",
+    passes: Optional[Sequence[Callable[[fx.GraphModule], Any]]] = None,
+    module_override: Optional[Sequence[Override]] = None,
+) -> Callable[[Callable[..., Any]], CompiledStep]:
+    """Compile a single-device train step into an SPMD program over ``mesh``.
+
+    The step is ``fn(model, optimizer, *batch)`` (any argument order; exactly one ``nn.Module`` and at
+    most one ``torch.optim.Optimizer``) that runs forward, ``loss.backward()``, ``optimizer.step()``,
+    ``optimizer.zero_grad()`` and returns tensors. Each rank calls it with its local batch; the result
+    equals the single-device step over the global batch (the ranks' batches concatenated along the
+    plan's batch dim), returned as plain full tensors.
+
+    The first call traces and compiles; calls with another input signature (shapes, dtypes, newly
+    created optimizer state) compile again. After the first call the model's parameters and the
+    optimizer's states are DTensors with the plan's placements (the model's parameters are new
+    ``nn.Parameter`` objects: re-read them from the model rather than keeping old references).
+
+    Args:
+        mesh: the ``DeviceMesh`` the plan refers to.
+        plan: ``spmd.DDP(...)`` for a 1-D mesh, or ``{mesh_dim_name: style}``.
+        lower: ``"inductor"`` (default) or ``"eager"`` (run the expanded fx graph as is).
+        passes: callables applied in order to the expanded local graph.
+        module_override: :class:`Override` objects that swap untraceable submodules while tracing.
+
+    Raises:
+        TraceError, PlanError, UnsupportedOpError, PlacementError: all subclasses of ``SpmdError``.
+    """
+
+    def wrap(fn: Callable[..., Any]) -> CompiledStep:
+        return CompiledStep(fn, mesh, plan, lower=lower, passes=passes, module_override=module_override)
+
+    return wrap

@@ -1,0 +1,80 @@
+"""The one exception family of spmd_expand.
+
+Every error a user can hit while compiling a step is an :class:`SpmdError`. Errors about a graph node
+name the op, the node, the user's source line (``node.meta["stack_trace"]``), the input placements,
+and what to do about it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch.fx as fx
+
+__all__ = [
+    "SpmdError",
+    "TraceError",
+    "UnsupportedOpError",
+    "PlacementError",
+    "PlanError",
+    "user_source_line",
+]
+
+
+class SpmdError(RuntimeError):
+    """Base class of every error raised by spmd_expand."""
+
+
+class TraceError(SpmdError):
+    """The train step could not be traced into one graph (data-dependent control flow, wrong arguments)."""
+
+
+class PlanError(SpmdError):
+    """The parallel plan does not fit the mesh, the model or the step's arguments."""
+
+
+class UnsupportedOpError(SpmdError):
+    """An op has no sharding rule, neither in DTensor nor in spmd_expand."""
+
+
+class PlacementError(SpmdError):
+    """An op's inputs cannot be brought to a placement the op accepts."""
+
+
+def user_source_line(node: fx.Node) -> str:
+    """The innermost frame of ``node.meta["stack_trace"]`` that is not torch's own code.
+
+    Returns ``"<unknown source>"`` when the node has no stack trace.
+    """
+    trace = node.meta.get("stack_trace") or ""
+    frames = [line.strip() for line in trace.strip().splitlines()]
+    # A stack trace alternates 'File "...", line N, in fn' and the source text of that line.
+    located = []
+    for i, line in enumerate(frames):
+        if line.startswith("File "):
+            code = frames[i + 1] if i + 1 < len(frames) and not frames[i + 1].startswith("File ") else ""
+            located.append((line, code))
+    user = [(loc, code) for loc, code in located if "/torch/" not in loc and "/spmd_expand/" not in loc]
+    pick = (user or located or [("<unknown source>", "")])[-1]
+    return f"{pick[0]}: {pick[1]}" if pick[1] else pick[0]
+
+
+def node_error(
+    cls: type[SpmdError],
+    node: fx.Node,
+    problem: str,
+    *,
+    placements: Sequence[Any] = (),
+    fix: str,
+) -> SpmdError:
+    """Build an error of type ``cls`` that names the op, the node, the source line, placements and fix."""
+    target = getattr(node.target, "__name__", None) or str(node.target)
+    shown = ", ".join(str(p) for p in placements) or "(none)"
+    return cls(
+        f"{problem}\n"
+        f"  op:               {node.target if hasattr(node.target, '_schema') else target}\n"
+        f"  node:             {node.name}\n"
+        f"  source:           {user_source_line(node)}\n"
+        f"  input placements: {shown}\n"
+        f"  fix:              {fix}"
+    )

@@ -1,0 +1,185 @@
+"""Expand the annotated global graph into this rank's local graph.
+
+Every op of the global graph runs on local shards. Where a node's input must change placement, a
+collective subgraph is spliced in: it is traced once with ``make_fx`` over DTensor's own
+``redistribute_local_tensor`` (so the plan is DTensor's: all_reduce, all_gather_into_tensor,
+reduce_scatter_tensor, all_to_all_single from ``torch.ops._c10d_functional``, each with its
+``wait_tensor``), cached per (source placements, target placements, global shape, dtype), and
+inlined. A value is redistributed to a given placement at most once.
+
+Size arguments are rewritten to local sizes from the output's placement (see
+:mod:`spmd_expand.dsymint` for which value a DSymInt contributes where).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._redistribute import redistribute_local_tensor
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .dsymint import DSymInt, local_strides
+from .rules import SIZE_ARG
+from .spec import NodeSharding, local_offset, local_shape
+
+__all__ = ["expand", "RedistributeCache"]
+
+aten = torch.ops.aten
+
+
+class RedistributeCache:
+    """Traced redistribution subgraphs keyed by (src placements, dst placements, shape, dtype, mesh).
+
+    One cache may serve many expansions on the same rank (e.g. the first-call and steady-state graphs).
+    """
+
+    def __init__(self) -> None:
+        self._graphs: dict[tuple, fx.GraphModule] = {}
+        self.misses = 0
+
+    def get(self, src: DTensorSpec, dst: DTensorSpec) -> fx.GraphModule:
+        meta = src.tensor_meta
+        key = (src.placements, dst.placements, tuple(meta.shape), meta.dtype, src.mesh)
+        gm = self._graphs.get(key)
+        if gm is None:
+            self.misses += 1
+            with FakeTensorMode():
+                example = torch.empty(local_shape(src), dtype=meta.dtype)
+            gm = make_fx(lambda t: redistribute_local_tensor(t, src, dst), tracing_mode="fake")(example)
+            self._graphs[key] = gm
+        return gm
+
+
+def _flatten_specs(spec: Any) -> list:
+    return spec if isinstance(spec, (list, tuple)) else [spec]
+
+
+class _Expander:
+    def __init__(self, global_gm: fx.GraphModule, cache: RedistributeCache):
+        self.global_gm = global_gm
+        self.cache = cache
+        self.graph = fx.Graph()
+        self.local: dict[fx.Node, Any] = {}
+        self.redistributed: dict[tuple, fx.Node] = {}
+        self.attrs: dict[str, torch.Tensor] = {}
+
+    def spmd(self, node: fx.Node) -> NodeSharding:
+        return node.meta["spmd"]
+
+    def redistribute(self, node: fx.Node, dst: Optional[DTensorSpec]) -> fx.Node:
+        src = self.spmd(node).output
+        local = self.local[node]
+        if dst is None or not isinstance(src, DTensorSpec) or src.placements == dst.placements:
+            return local
+        key = (node, dst.placements)
+        if key not in self.redistributed:
+            sub = self.cache.get(src, dst)
+            env: dict[fx.Node, Any] = {}
+            result = None
+            for n in sub.graph.nodes:
+                if n.op == "placeholder":
+                    env[n] = local
+                elif n.op == "output":
+                    result = env[n.args[0]]
+                else:
+                    new = self.graph.node_copy(n, lambda x: env[x])
+                    new.meta["spmd_redistribute"] = (src.placements, dst.placements)
+                    new.meta["stack_trace"] = node.meta.get("stack_trace")
+                    env[n] = new
+            self.redistributed[key] = result
+        return self.redistributed[key]
+
+    def run(self) -> fx.GraphModule:
+        for node in self.global_gm.graph.nodes:
+            handler = getattr(self, node.op)
+            handler(node)
+        gm = fx.GraphModule(self.attrs, self.graph)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        return gm
+
+    def placeholder(self, node: fx.Node) -> None:
+        new = self.graph.placeholder(node.name)
+        new.meta["spmd"] = self.spmd(node)
+        self.local[node] = new
+
+    def get_attr(self, node: fx.Node) -> None:
+        self.attrs[node.target] = getattr(self.global_gm, node.target)
+        new = self.graph.get_attr(node.target)
+        new.meta["spmd"] = self.spmd(node)
+        self.local[node] = new
+
+    def output(self, node: fx.Node) -> None:
+        wanted = self.spmd(node).inputs
+        self.graph.output([self.redistribute(a, w) for a, w in zip(node.args[0], wanted)])
+
+    def call_function(self, node: fx.Node) -> None:
+        sharding = self.spmd(node)
+        if isinstance(sharding.output, DSymInt):
+            self.local[node] = sharding.output  # resolved per consumer below
+            return
+        if node.target is operator.getitem:
+            new = self.graph.call_function(operator.getitem, (self.local[node.args[0]], node.args[1]))
+            new.meta["spmd"] = sharding
+            self.local[node] = new
+            return
+        if sharding.rank_local or node.target is torch.ops.spmd_expand.gradient.default:
+            # The gradient marker is the redistribution itself (or nothing, for rank-local gradients).
+            self.local[node] = self.redistribute(node.args[0], None if sharding.rank_local else sharding.inputs[0])
+            return
+
+        leaves, tree = pytree.tree_flatten((node.args, node.kwargs))
+        wanted = list(sharding.inputs) + [None] * (len(leaves) - len(sharding.inputs))
+        new_leaves = []
+        for leaf, spec in zip(leaves, wanted):
+            if isinstance(leaf, fx.Node):
+                value = self.local[leaf]
+                new_leaves.append(value.global_value if isinstance(value, DSymInt) else self.redistribute(leaf, spec))
+            else:
+                new_leaves.append(leaf)
+        args, kwargs = pytree.tree_unflatten(new_leaves, tree)
+        target, args = self.local_size_args(node, list(args), sharding)
+        new = self.graph.call_function(target, tuple(args), kwargs)
+        new.meta["spmd"] = sharding
+        new.meta["stack_trace"] = node.meta.get("stack_trace")
+        self.local[node] = new
+
+    def local_size_args(self, node: fx.Node, args: list, sharding: NodeSharding) -> tuple[Any, list]:
+        """(op, args) with global sizes rewritten to this rank's local sizes where the output is sharded."""
+        target = node.target
+        out = sharding.output
+        if not isinstance(out, DTensorSpec) or all(not isinstance(p, Shard) for p in out.placements):
+            return target, args
+        shape = local_shape(out)
+        if target in SIZE_ARG:
+            index = SIZE_ARG[target]
+            args[index] = shape
+            if target is aten.empty_strided.default:
+                args[1] = local_strides(out.tensor_meta.shape, out.tensor_meta.stride, shape)
+        elif target is aten.repeat.default:
+            src = self.spmd(node.args[0]).output
+            src_shape = [1] * (len(shape) - len(src.tensor_meta.shape)) + local_shape(src)
+            args[1] = [o // i for o, i in zip(shape, src_shape)]
+        elif target in (aten.arange.default, aten.arange.start):
+            # This rank's slice of arange(start, end): the same values, shifted by its global offset.
+            start = 0 if target is aten.arange.default else args[0]
+            first = start + local_offset(out)[0]
+            return aten.arange.start, [first, first + shape[0]]
+        return target, args
+
+
+def expand(global_gm: fx.GraphModule, cache: Optional[RedistributeCache] = None) -> fx.GraphModule:
+    """Build this rank's local graph from a graph annotated by :func:`spmd_expand.propagate.propagate`.
+
+    Inputs of the local graph are the local shards of the global graph's inputs, in the same order;
+    outputs are local values with the placements propagation asked for (replicated returns are full).
+    The local graph holds ``torch.ops._c10d_functional`` collectives and runs under torch.distributed.
+    """
+    return _Expander(global_gm, cache or RedistributeCache()).run()

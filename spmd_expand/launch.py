@@ -1,0 +1,333 @@
+"""Run a function on several local ranks, or join a ``torchrun`` launch.
+
+:func:`run_local` is how the library (the ``spmd-expand train`` command, the test suite) runs a
+function on ``W`` local CPU ranks joined by a real ``gloo`` process group, without ``torchrun``.
+:func:`is_distributed_launch` and :func:`init_from_env` cover the other case, where ``torchrun``
+started this process and its environment says which rank it is.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue as queue_mod
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["RankFailedError", "init_from_env", "is_distributed_launch", "run_local"]
+
+THREADS_ENV = "SPMD_THREADS_PER_RANK"
+"""Environment variable read by each rank of :func:`run_local`: its intra-op thread count (default 1)."""
+
+# Message kinds a rank puts on the result queue, as ``(rank, kind, payload)``.
+_OK = "ok"  # payload: the pickled return value (bytes)
+_ERROR = "error"  # payload: the formatted traceback (str)
+_PORT_IN_USE = "port_in_use"  # payload: the formatted traceback (str) of the failed rendezvous
+
+_POLL_S = 0.1  # how long one wait on the result queue lasts before the ranks' exit codes are checked
+_PORT_ATTEMPTS = 5  # rendezvous ports tried before giving up on "address already in use"
+_TEARDOWN_GRACE_S = 30.0  # how long ranks that all reported may take to leave before being killed
+_KILL_GRACE_S = 5.0  # how long a terminated rank may take before it is killed outright
+
+
+class RankFailedError(RuntimeError):
+    """A rank of :func:`run_local` raised, or exited without reporting a result.
+
+    Attributes:
+        rank: the failing rank.
+        details: the rank's formatted traceback, or a description of how it exited.
+    """
+
+    def __init__(self, rank: int, details: str) -> None:
+        super().__init__(f"rank {rank} failed:\n{details}")
+        self.rank = rank
+        self.details = details
+
+
+def run_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` local processes.
+
+    Each rank is a fresh process from the ``torch.multiprocessing`` "spawn" context. It limits
+    itself to ``$SPMD_THREADS_PER_RANK`` intra-op threads (default 1), joins a process group of
+    ``backend`` that rendezvouses over TCP on 127.0.0.1 (a free port is picked here; the launch is
+    retried on a new port if that one was taken in the meantime; on Linux gloo is pointed at the
+    ``lo`` interface unless ``GLOO_SOCKET_IFNAME`` is already set), calls ``fn``, reports the
+    result, waits at a barrier, destroys the group and leaves with ``os._exit``, skipping the
+    interpreter shutdown in which gloo is known to abort.
+
+    Because of the spawn context, ``fn`` must be importable by its qualified name: a module-level
+    function (or a picklable callable such as a ``functools.partial`` of one), in a module the
+    ranks can import with the caller's ``sys.path``. ``args`` and ``kwargs`` must be picklable,
+    and a script that calls ``run_local`` must guard its entry point with
+    ``if __name__ == "__main__":``.
+
+    Return values are sent back with plain :mod:`pickle`, so they must be picklable; return
+    tensors as CPU tensors (they are copied by value, not shared).
+
+    Args:
+        fn: the per-rank function, called as ``fn(rank, world_size, *args, **kwargs)``.
+        world_size: the number of ranks, at least 1.
+        *args: further positional arguments for ``fn``.
+        backend: the ``torch.distributed`` backend of the process group.
+        timeout_s: the most the whole run may take, rendezvous included; also the process
+            group's collective timeout.
+        **kwargs: keyword arguments for ``fn``.
+
+    Returns:
+        The ranks' return values, ordered by rank.
+
+    Raises:
+        TypeError: ``fn`` is a lambda or a local function, which spawn cannot pickle.
+        ValueError: ``world_size`` is below 1 or ``timeout_s`` is not positive.
+        RankFailedError: a rank raised (the message holds its traceback), a rank exited without
+            reporting (the message holds its exit code or signal), or no free rendezvous port was
+            found. The other ranks are terminated first.
+        TimeoutError: not every rank reported within ``timeout_s``; the message names the ranks
+            that had not, and all ranks are killed first.
+    """
+    qualname = getattr(fn, "__qualname__", "")
+    if "<lambda>" in qualname or "<locals>" in qualname:
+        raise TypeError(
+            f"run_local needs a module-level function, got {qualname!r}: ranks are started with "
+            "the 'spawn' method, which pickles the function by its qualified name"
+        )
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+
+    ctx = mp.get_context("spawn")
+    deadline = time.monotonic() + timeout_s
+    attempt = 1
+    while True:
+        port = _free_port()
+        result_queue = ctx.Queue()
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(rank, world_size, backend, port, timeout_s, fn, args, kwargs, result_queue),
+                name=f"spmd-rank-{rank}",
+            )
+            for rank in range(world_size)
+        ]
+        try:
+            for proc in procs:
+                proc.start()
+            results = _collect(procs, result_queue, deadline, timeout_s)
+        except _PortInUse as exc:
+            _stop(procs)
+            if attempt == _PORT_ATTEMPTS:
+                raise RankFailedError(
+                    exc.rank, f"no free rendezvous port after {_PORT_ATTEMPTS} tries:\n{exc.details}"
+                ) from None
+            attempt += 1
+            continue
+        except BaseException:
+            _stop(procs)
+            raise
+        _join_or_stop(procs, min(_TEARDOWN_GRACE_S, max(deadline - time.monotonic(), 0.0)))
+        return results
+
+
+def is_distributed_launch() -> bool:
+    """Tell whether this process was started by ``torchrun`` (``RANK`` and ``WORLD_SIZE`` are set)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init_from_env(backend: str | None = None) -> tuple[int, int]:
+    """Initialize the default process group from ``torchrun``'s environment.
+
+    With ``backend=None`` the backend is NCCL when CUDA is available and gloo otherwise; with NCCL
+    the current CUDA device is set to ``$LOCAL_RANK``. If the default group already exists, it is
+    kept and its rank and size are returned.
+
+    Args:
+        backend: the ``torch.distributed`` backend, or None to choose as above.
+
+    Returns:
+        ``(rank, world_size)`` of this process.
+
+    Raises:
+        RuntimeError: ``RANK`` or ``WORLD_SIZE`` is not set (not started by ``torchrun``).
+        ValueError: the rendezvous variables (``MASTER_ADDR``, ``MASTER_PORT``) are missing, as
+            raised by ``torch.distributed``.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if not is_distributed_launch():
+        raise RuntimeError("init_from_env needs RANK and WORLD_SIZE in the environment (use torchrun)")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, init_method="env://")
+    return dist.get_rank(), dist.get_world_size()
+
+
+class _PortInUse(Exception):
+    """Internal: a rank could not rendezvous because the chosen port was taken."""
+
+    def __init__(self, rank: int, details: str) -> None:
+        super().__init__(rank, details)
+        self.rank = rank
+        self.details = details
+
+
+def _free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _collect(
+    procs: list[Any], result_queue: Any, deadline: float, timeout_s: float
+) -> list[Any]:
+    """Wait for every rank's report and return the unpickled results, ordered by rank.
+
+    Raises:
+        RankFailedError: a rank reported an error or exited without reporting.
+        _PortInUse: a rank could not rendezvous on the chosen port.
+        TimeoutError: ``deadline`` passed first.
+    """
+    results: list[Any] = [None] * len(procs)
+    pending = set(range(len(procs)))
+    seen_dead: set[int] = set()
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(
+                f"run_local timed out after {timeout_s:g} s; ranks {sorted(pending)} of "
+                f"{len(procs)} had not reported"
+            )
+        try:
+            rank, kind, payload = result_queue.get(timeout=min(_POLL_S, remaining))
+        except queue_mod.Empty:
+            # A rank writes its report to the pipe before it exits, so a rank seen dead on two
+            # consecutive empty polls has really left without reporting.
+            dead = {rank for rank in pending if procs[rank].exitcode is not None}
+            gone = sorted(dead & seen_dead)
+            if gone:
+                raise RankFailedError(gone[0], _describe_exit(procs[gone[0]].exitcode))
+            seen_dead = dead
+            continue
+        if kind == _OK:
+            results[rank] = pickle.loads(payload)
+            pending.discard(rank)
+        elif kind == _PORT_IN_USE:
+            raise _PortInUse(rank, payload)
+        else:
+            raise RankFailedError(rank, payload)
+    return results
+
+
+def _describe_exit(exitcode: int) -> str:
+    """Say how a rank that never reported ended, from its ``exitcode``."""
+    if exitcode < 0:
+        try:
+            how = f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            how = f"was killed by signal {-exitcode}"
+    else:
+        how = f"exited with code {exitcode}"
+    return f"the process {how} without reporting a result (see its stderr)"
+
+
+def _stop(procs: list[Any]) -> None:
+    """Terminate the started ranks that are still running, then kill those that linger."""
+    for proc in procs:
+        if proc.pid is not None and proc.exitcode is None:
+            proc.terminate()
+    _join_or_stop(procs, _KILL_GRACE_S)
+
+
+def _join_or_stop(procs: list[Any], grace_s: float) -> None:
+    """Wait up to ``grace_s`` in all for the started ranks to exit, then kill those still running."""
+    end = time.monotonic() + grace_s
+    for proc in procs:
+        if proc.pid is not None:
+            proc.join(max(end - time.monotonic(), 0.0))
+    for proc in procs:
+        if proc.pid is not None and proc.exitcode is None:
+            proc.kill()
+            proc.join()
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    backend: str,
+    port: int,
+    timeout_s: float,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    result_queue: Any,
+) -> None:
+    """Body of one rank: set up, run ``fn``, report, tear down, and leave with ``os._exit``."""
+    try:
+        torch.set_num_threads(int(os.environ.get(THREADS_ENV, "1")))
+        if sys.platform.startswith("linux"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    except Exception as exc:
+        kind = _PORT_IN_USE if _is_address_in_use(exc) else _ERROR
+        _report(result_queue, rank, kind, traceback.format_exc())
+        _exit(1)
+    try:
+        payload = pickle.dumps(fn(rank, world_size, *args, **kwargs), pickle.HIGHEST_PROTOCOL)
+    except BaseException:
+        _report(result_queue, rank, _ERROR, traceback.format_exc())
+        _exit(1)
+    _report(result_queue, rank, _OK, payload)
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        # The result is already reported; the parent ignores how a reported rank exits.
+        traceback.print_exc()
+        _exit(1)
+    _exit(0)
+
+
+def _is_address_in_use(exc: BaseException) -> bool:
+    """Tell whether a failed rendezvous failed because its port was already taken."""
+    text = str(exc).lower()
+    return "eaddrinuse" in text or "address already in use" in text
+
+
+def _report(result_queue: Any, rank: int, kind: str, payload: bytes | str) -> None:
+    """Put a report on the queue and wait until it is written to the pipe."""
+    result_queue.put((rank, kind, payload))
+    result_queue.close()
+    result_queue.join_thread()
+
+
+def _exit(code: int) -> NoReturn:
+    """Flush the standard streams and end the process without interpreter shutdown."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,167 @@
+"""Reference models for tests, benchmarks and ``spmd-expand train``.
+
+Both models are deterministic (no dropout) so single-device and distributed runs of the same
+training step can be compared exactly. Module attribute names are part of the interface:
+tensor-parallel plans address submodules by fully qualified name globs such as
+``layers.*.attn.q_proj`` or ``layers.*.mlp.fc1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["MLP", "GPTConfig", "CausalSelfAttention", "Block", "GPT", "build_gpt"]
+
+
+class MLP(nn.Module):
+    """Two-layer perceptron: ``fc1`` -> activation -> ``fc2``.
+
+    Input ``(*, in_features)``, output ``(*, out_features)``.
+    """
+
+    def __init__(
+        self,
+        in_features: int = 16,
+        hidden: int = 32,
+        out_features: int = 4,
+        *,
+        activation: Callable[[], nn.Module] = nn.ReLU,
+    ) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, hidden)
+        self.act = activation()
+        self.fc2 = nn.Linear(hidden, out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+@dataclass
+class GPTConfig:
+    """Hyperparameters of :class:`GPT`.
+
+    Attributes:
+        vocab_size: number of token ids; inputs must lie in ``[0, vocab_size)``.
+        block_size: maximum sequence length (size of the position table).
+        n_layer: number of transformer blocks.
+        n_head: number of attention heads; must divide ``n_embd``.
+        n_embd: model width.
+    """
+
+    vocab_size: int = 128
+    block_size: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with separate q/k/v/out projections.
+
+    Input and output ``(B, T, n_embd)``.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.head_dim = config.n_embd // config.n_head
+        self.q_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.k_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.v_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.out_proj = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # The head count is inferred (-1), not taken from the config: with column-parallel
+        # q/k/v projections each rank only holds n_head / tp_degree heads.
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, T, head_dim)
+        y = y.transpose(1, 2).reshape(B, T, -1)
+        return self.out_proj(y)
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``.
+
+    Input and output ``(B, T, n_embd)``.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config.n_embd, 4 * config.n_embd, config.n_embd, activation=nn.GELU)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Character-level GPT-2-style decoder with a head tied to the token embedding.
+
+    ``head.weight`` and ``tok_emb.weight`` are the same :class:`~torch.nn.Parameter`, so
+    ``named_parameters()`` lists it once, as ``tok_emb.weight``.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos_emb = nn.Embedding(config.block_size, config.n_embd)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the decoder.
+
+        Args:
+            idx: token ids, int64 ``(B, T)`` with ``T <= config.block_size``.
+            targets: next-token ids, int64 ``(B, T)``, or ``None``.
+
+        Returns:
+            Logits ``(B, T, vocab_size)`` when ``targets`` is ``None``, otherwise the scalar
+            mean cross-entropy loss over all ``B * T`` positions.
+        """
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.layers:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(B * T, -1), targets.view(-1))
+
+
+def build_gpt(config: GPTConfig | None = None, seed: int = 0) -> GPT:
+    """Build a :class:`GPT` whose initial weights depend only on ``config`` and ``seed``.
+
+    The caller's global RNG state is left untouched.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return GPT(config if config is not None else GPTConfig())

@@ -1,0 +1,150 @@
+"""Parallel plans: which placement every input of the traced step starts with.
+
+A plan is a style for a 1-D mesh or a dict ``{mesh_dim_name: style}`` for an N-D mesh. Each style says,
+for its own mesh dim, the placement of parameters, gradients, optimizer states and batch tensors.
+:func:`resolve_plan` combines the styles of all mesh dims into per-tensor placement tuples, which is
+all later stages see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Union
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from .errors import PlanError
+
+__all__ = ["ParallelStyle", "DDP", "Plan", "ResolvedPlan", "resolve_plan"]
+
+
+class ParallelStyle:
+    """A plan for one mesh dim. Subclasses say where each kind of tensor lives on that dim."""
+
+    def param_placement(self, fqn: str, param: torch.Tensor) -> Placement:
+        raise NotImplementedError
+
+    def batch_placement(self, tensor: torch.Tensor) -> Placement:
+        raise NotImplementedError
+
+    def reduces_grad(self, fqn: str) -> bool:
+        """False for parameters whose gradients stay rank-local (e.g. DDP's ignored modules)."""
+        return True
+
+    def bind(self, model: nn.Module) -> None:
+        """Resolve module references against the model being compiled."""
+
+
+def _ignored_fqns(model: nn.Module, ignored: Iterable[Union[nn.Module, str]]) -> frozenset[str]:
+    """Parameter FQNs owned by the given modules (objects or module FQNs)."""
+    modules = dict(model.named_modules())
+    by_id = {id(m): name for name, m in modules.items()}
+    prefixes = []
+    for m in ignored:
+        if isinstance(m, str):
+            if m not in modules:
+                raise PlanError(f"ignored_modules names {m!r}, which is not a submodule of {type(model).__name__}")
+            prefixes.append(m)
+        elif id(m) in by_id:
+            prefixes.append(by_id[id(m)])
+        else:
+            raise PlanError(f"ignored_modules holds a {type(m).__name__} that is not a submodule of the model")
+    fqns = set()
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        if any(p == "" or name == p or name.startswith(p + ".") for p in prefixes):
+            fqns.add(name)
+    return frozenset(fqns)
+
+
+@dataclass
+class DDP(ParallelStyle):
+    """Data parallel (``torch.nn.parallel.DistributedDataParallel`` semantics).
+
+    Parameters and optimizer states are ``Replicate()``; batch tensors are ``Shard(batch_dim)``; each
+    gradient is all-reduced once per step, where the optimizer reads it, so a mean loss over the global
+    batch gives the same averaged gradients as one device.
+
+    Args:
+        batch_dim: dim of every batch tensor that is split across ranks.
+        ignored_modules: modules (objects or FQNs) whose parameters are left out of gradient reduction.
+            As in DDP, their gradients stay rank-local and every rank updates its own copy, so these
+            parameters may drift apart across ranks and are not covered by the single-device promise.
+    """
+
+    batch_dim: int = 0
+    ignored_modules: tuple = ()
+    _ignored: frozenset = field(default=frozenset(), init=False, repr=False)
+
+    def bind(self, model: nn.Module) -> None:
+        self._ignored = _ignored_fqns(model, self.ignored_modules)
+
+    def param_placement(self, fqn: str, param: torch.Tensor) -> Placement:
+        return Replicate()
+
+    def batch_placement(self, tensor: torch.Tensor) -> Placement:
+        if tensor.dim() <= self.batch_dim:
+            return Replicate()
+        return Shard(self.batch_dim)
+
+    def reduces_grad(self, fqn: str) -> bool:
+        return fqn not in self._ignored
+
+
+Plan = Union[ParallelStyle, Mapping[str, ParallelStyle]]
+
+
+@dataclass(frozen=True)
+class ResolvedPlan:
+    """Per-tensor placement tuples (one entry per mesh dim) for a plan on a mesh."""
+
+    mesh: DeviceMesh
+    styles: tuple[ParallelStyle, ...]
+
+    def param_placements(self, fqn: str, param: torch.Tensor) -> tuple[Placement, ...]:
+        return tuple(s.param_placement(fqn, param) for s in self.styles)
+
+    def batch_placements(self, tensor: torch.Tensor) -> tuple[Placement, ...]:
+        return tuple(s.batch_placement(tensor) for s in self.styles)
+
+    def grad_placements(self, fqn: str, param: torch.Tensor) -> tuple[Placement, ...] | None:
+        """Placements a gradient is reduced to, or None where it stays rank-local on some mesh dim."""
+        if not all(s.reduces_grad(fqn) for s in self.styles):
+            return None
+        return self.param_placements(fqn, param)
+
+    def state_placements(self, fqn: str, param: torch.Tensor, state: torch.Tensor) -> tuple[Placement, ...]:
+        """Optimizer states shaped like their parameter follow it; scalars (e.g. ``step``) are replicated."""
+        if tuple(state.shape) == tuple(param.shape):
+            return self.param_placements(fqn, param)
+        return tuple(Replicate() for _ in self.styles)
+
+
+def resolve_plan(plan: Plan, mesh: DeviceMesh, model: nn.Module) -> ResolvedPlan:
+    """Order the plan's styles by mesh dim and bind them to ``model``.
+
+    Raises:
+        PlanError: a dict plan whose keys are not exactly the mesh's dim names, or a single style on
+            an N-D mesh.
+    """
+    if isinstance(plan, ParallelStyle):
+        if mesh.ndim != 1:
+            raise PlanError(
+                f"a single {type(plan).__name__} needs a 1-D mesh, got {mesh.ndim}-D mesh with dims "
+                f"{mesh.mesh_dim_names}; pass a dict {{mesh_dim_name: style}}"
+            )
+        styles = (plan,)
+    elif isinstance(plan, Mapping):
+        names = mesh.mesh_dim_names
+        if names is None or set(plan) != set(names):
+            raise PlanError(f"plan keys {sorted(plan)} must equal the mesh dim names {names}")
+        styles = tuple(plan[n] for n in names)
+    else:
+        raise PlanError(f"plan must be a ParallelStyle or a dict of them, got {type(plan).__name__}")
+    for s in styles:
+        if not isinstance(s, ParallelStyle):
+            raise PlanError(f"plan entry {s!r} is not a ParallelStyle (spmd.DDP, ...)")
+        s.bind(model)
+    return ResolvedPlan(mesh, styles)

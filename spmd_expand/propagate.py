@@ -1,0 +1,176 @@
+"""Propagate DTensor placements through the global graph, node by node.
+
+Each node gets ``node.meta["spmd"]``, a :class:`NodeSharding`: the placements (as DTensor's
+``DTensorSpec``) its tensor inputs must have and the spec of its output. Sizes computed from batch
+tensors get a :class:`~spmd_expand.dsymint.DSymInt` instead.
+
+Rules are looked up in DTensor's own sharding propagator (``DTensor._op_dispatcher.sharding_propagator``,
+the one eager DTensor uses), which also picks the redistribution of inputs an op needs. Only where
+torch has no rule does :mod:`spmd_expand.rules` decide.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._op_schema import OpSchema
+
+from . import rules
+from .dsymint import SYM_ARITHMETIC, SYM_SOURCE_OPS, DSymInt, apply_arithmetic, from_size_node
+from .errors import PlacementError, UnsupportedOpError, node_error
+from .spec import NodeSharding, local_shape, replicate, tensor_meta, tensor_spec
+from .trace import TracedStep
+
+__all__ = ["propagate"]
+
+
+def _with_meta(out: Any, val: Any, mesh: DeviceMesh) -> Any:
+    """Attach global tensor metadata from the traced value to DTensor's output spec(s)."""
+    if isinstance(out, DTensorSpec):
+        return DTensorSpec(mesh, out.placements, tensor_meta=tensor_meta(val))
+    if isinstance(out, (tuple, list)):
+        vals = val if isinstance(val, (tuple, list)) else [None] * len(out)
+        return type(out)(_with_meta(o, v, mesh) if v is not None else None for o, v in zip(out, vals))
+    return out
+
+
+class _Propagator:
+    def __init__(self, traced, mesh, input_placements, output_placements, grad_placements):
+        self.traced = traced
+        self.grad_placements = grad_placements
+        self.mesh = mesh
+        self.input_placements = input_placements
+        self.output_placements = output_placements
+        self.dtensor = DTensor._op_dispatcher.sharding_propagator
+
+    def output_of(self, node: fx.Node) -> Any:
+        return node.meta["spmd"].output
+
+    def run(self) -> None:
+        placeholders = iter(self.input_placements)
+        for node in self.traced.graph_module.graph.nodes:
+            if node.op == "placeholder":
+                node.meta["spmd"] = NodeSharding(output=tensor_spec(self.mesh, next(placeholders), node.meta["val"]))
+            elif node.op == "get_attr":
+                val = getattr(self.traced.graph_module, node.target)
+                node.meta["spmd"] = NodeSharding(output=tensor_spec(self.mesh, replicate(self.mesh), val))
+            elif node.op == "call_function":
+                node.meta["spmd"] = self.call_function(node)
+            elif node.op == "output":
+                node.meta["spmd"] = self.output(node)
+            else:
+                raise node_error(UnsupportedOpError, node, f"unexpected fx node kind {node.op!r}", fix="report this graph")
+
+    def output(self, node: fx.Node) -> NodeSharding:
+        wanted = []
+        for arg, placements in zip(node.args[0], self.output_placements):
+            spec = self.output_of(arg)
+            wanted.append(DTensorSpec(self.mesh, tuple(placements), tensor_meta=spec.tensor_meta))
+        return NodeSharding(inputs=tuple(wanted))
+
+    def input_specs(self, node: fx.Node) -> list[Optional[DTensorSpec]]:
+        leaves, _ = pytree.tree_flatten((node.args, node.kwargs))
+        return [
+            self.output_of(a) if isinstance(a, fx.Node) and isinstance(self.output_of(a), DTensorSpec) else None
+            for a in leaves
+        ]
+
+    def call_function(self, node: fx.Node) -> NodeSharding:
+        target = node.target
+        if target is operator.getitem:
+            return NodeSharding(inputs=(None, None), output=self.output_of(node.args[0])[node.args[1]])
+        if target in SYM_SOURCE_OPS:
+            spec = self.output_of(node.args[0])
+            return NodeSharding(output=from_size_node(target, spec, local_shape(spec), node.args[1:]))
+        if target in SYM_ARITHMETIC:
+            args = [self.output_of(a) if isinstance(a, fx.Node) else a for a in node.args]
+            return NodeSharding(output=apply_arithmetic(target, args))
+
+        rule = rules.lookup(target)
+        if rule is not None:
+            result = rule(node, self)
+            if result is not None:
+                return result
+        return self.dtensor_rule(node)
+
+    def schema_args(self, node: fx.Node) -> tuple[tuple, dict]:
+        """(args, kwargs) for DTensor's OpSchema: specs for tensors, global ints for DSymInts."""
+
+        def convert(a: Any) -> Any:
+            if isinstance(a, fx.Node):
+                out = self.output_of(a)
+                return out.global_value if isinstance(out, DSymInt) else out
+            return a
+
+        return pytree.tree_map(convert, (tuple(node.args), dict(node.kwargs)))
+
+    def dtensor_rule(self, node: fx.Node) -> NodeSharding:
+        op = node.target
+        args, kwargs = self.schema_args(node)
+        schema_info = self.dtensor.op_to_schema_info.get(op) or self.dtensor.op_to_schema_info_for_single_dim_strategy.get(op)
+        schema = OpSchema(op, args, kwargs, schema_info=schema_info)
+        current = self.input_specs(node)
+        try:
+            sharding = self.dtensor.propagate_op_sharding(schema)
+        except NotImplementedError as e:
+            raise node_error(
+                UnsupportedOpError,
+                node,
+                f"no sharding rule for {op}: {str(e).splitlines()[0]}",
+                placements=[s.placements for s in current if s is not None],
+                fix="pass module_override= to swap the submodule for a traceable stand-in, or add a rule "
+                "for this op in spmd_expand/rules.py",
+            ) from e
+        except Exception as e:  # noqa: BLE001 - DTensor raises assorted types for unsatisfiable inputs
+            raise node_error(
+                PlacementError,
+                node,
+                f"DTensor could not place {op}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                placements=[s.placements for s in current if s is not None],
+                fix="choose a plan whose placements this op accepts (see the input placements above)",
+            ) from e
+        if sharding.needs_redistribute and sharding.redistribute_schema is not None:
+            wanted_args = (tuple(sharding.redistribute_schema.args_schema), dict(sharding.redistribute_schema.kwargs_schema))
+            wanted_leaves, _ = pytree.tree_flatten(wanted_args)
+            wanted = [
+                w if cur is not None and isinstance(w, DTensorSpec) else None
+                for w, cur in zip(wanted_leaves, current)
+            ]
+            # DTensor leaves tensor_meta off some suggested specs; the tensor is the same as before.
+            wanted = [
+                DTensorSpec(self.mesh, w.placements, tensor_meta=c.tensor_meta) if w is not None else None
+                for w, c in zip(wanted, current)
+            ]
+        else:
+            wanted = current
+        return NodeSharding(inputs=tuple(wanted), output=_with_meta(sharding.output_spec, node.meta.get("val"), self.mesh))
+
+
+def propagate(
+    traced: TracedStep,
+    mesh: DeviceMesh,
+    input_placements: list,
+    output_placements: list,
+    grad_placements: Callable[[str], Optional[tuple]],
+) -> None:
+    """Annotate every node of ``traced.graph_module`` with ``node.meta["spmd"]`` (a :class:`NodeSharding`).
+
+    Args:
+        traced: the global graph from :func:`spmd_expand.trace.trace_step`.
+        mesh: the device mesh of the plan.
+        input_placements: a placement tuple (one per mesh dim) for each graph input, in order.
+        output_placements: the placement tuple each graph output must end with.
+        grad_placements: parameter FQN -> placements its gradient is reduced to (None: rank-local).
+
+    Raises:
+        UnsupportedOpError: an op with no rule in DTensor or :mod:`spmd_expand.rules`.
+        PlacementError: DTensor cannot satisfy an op with the placements that reach it.
+    """
+    _Propagator(traced, mesh, input_placements, output_placements, grad_placements).run()

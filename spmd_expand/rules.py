@@ -1,0 +1,178 @@
+"""Sharding rules spmd_expand adds where torch's DTensor has none, all in this one module.
+
+* ``spmd_expand::gradient``: the gradient marker; its output takes the plan's gradient placement.
+* Factory ops (``zeros``, ``ones``, ``full``, ``empty``, ``arange``, ...) have no tensor input to take a
+  placement from. Their sizes decide: a size that is a sharded :class:`~spmd_expand.dsymint.DSymInt`
+  (e.g. the batch size) makes that dim ``Shard`` on the DSymInt's mesh dims; otherwise ``Replicate``.
+* Functional ops whose in-place twin has a DTensor strategy but which have none themselves (e.g.
+  ``_foreach_addcdiv.Scalar``; functionalization turns the optimizers' in-place foreach ops into these):
+  the twin's own DTensor strategy is registered for them. The strategy only chooses placements, which
+  do not depend on whether the op writes in place.
+* ``expand``, ``repeat`` and the ``new_*`` factories have DTensor rules, but those cannot know that a
+  size came from a sharded batch dim; when one did, the output is sharded the same way instead of being
+  materialized at global size and split afterwards.
+
+A rule takes ``(node, propagator)`` and returns a ``NodeSharding``, or None to defer to DTensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+from .dsymint import DSymInt
+from .ops import GRADIENT
+from .spec import NodeSharding, tensor_spec
+
+__all__ = ["lookup", "SIZE_ARG"]
+
+aten = torch.ops.aten
+
+# Ops whose argument at this index is a list of output sizes (rewritten to the local shape by expand).
+SIZE_ARG: dict[Any, int] = {
+    aten.view.default: 1,
+    aten._unsafe_view.default: 1,
+    aten.reshape.default: 1,
+    aten.expand.default: 1,
+    aten.slice_backward.default: 1,
+    aten.new_zeros.default: 1,
+    aten.new_ones.default: 1,
+    aten.new_empty.default: 1,
+    aten.new_full.default: 1,
+    aten.zeros.default: 0,
+    aten.ones.default: 0,
+    aten.empty.memory_format: 0,
+    aten.full.default: 0,
+    aten.empty_strided.default: 0,
+}
+
+FACTORY_OPS = frozenset(
+    {
+        aten.zeros.default,
+        aten.ones.default,
+        aten.empty.memory_format,
+        aten.full.default,
+        aten.empty_strided.default,
+        aten.scalar_tensor.default,
+        aten.arange.default,
+        aten.arange.start,
+        aten.arange.start_step,
+    }
+)
+NEW_FACTORY_OPS = frozenset({aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default})
+
+
+def _sym(prop, a: Any) -> Any:
+    return prop.output_of(a) if isinstance(a, fx.Node) else a
+
+
+def _sharded_placements(prop, sizes: list, ndim_offset: int = 0) -> Optional[tuple]:
+    """Placements that shard dim i on the mesh dims of a sharded DSymInt at position i, if any."""
+    placements = list(Replicate() for _ in range(prop.mesh.ndim))
+    found = False
+    for i, s in enumerate(sizes):
+        if isinstance(s, DSymInt) and s.is_sharded:
+            for m in s.mesh_dims:
+                if isinstance(placements[m], Replicate):
+                    placements[m] = Shard(i + ndim_offset)
+                    found = True
+    return tuple(placements) if found else None
+
+
+def _out_spec(prop, node: fx.Node, placements) -> DTensorSpec:
+    return tensor_spec(prop.mesh, placements, node.meta["val"])
+
+
+def gradient_rule(node: fx.Node, prop):
+    grad_spec = prop.output_of(node.args[0])
+    wanted = prop.grad_placements(node.args[1])
+    if wanted is None:
+        # Rank-local gradient: used as this rank's value, with no reduction (DDP ignored_modules).
+        out = DTensorSpec(prop.mesh, tuple(Replicate() for _ in range(prop.mesh.ndim)), tensor_meta=grad_spec.tensor_meta)
+        return NodeSharding(inputs=(grad_spec, None), output=out, rank_local=True)
+    target = DTensorSpec(prop.mesh, tuple(wanted), tensor_meta=grad_spec.tensor_meta)
+    return NodeSharding(inputs=(target, None), output=target)
+
+
+def factory_rule(node: fx.Node, prop):
+    if node.target in (aten.arange.default, aten.arange.start, aten.arange.start_step):
+        sizes = [_sym(prop, node.args[0] if node.target is aten.arange.default else node.args[1])]
+        # Only `arange(end)` / `arange(0, end)` over a sharded end are split; offsets are added locally.
+        start = 0 if node.target is aten.arange.default else _sym(prop, node.args[0])
+        if start != 0 or node.target is aten.arange.start_step:
+            sizes = [None]
+    elif node.target is aten.scalar_tensor.default:
+        sizes = []
+    else:
+        sizes = [_sym(prop, s) for s in node.args[0]]
+    placements = _sharded_placements(prop, sizes) or tuple(Replicate() for _ in range(prop.mesh.ndim))
+    return NodeSharding(inputs=(), output=_out_spec(prop, node, placements))
+
+
+def sharded_size_rule(node: fx.Node, prop):
+    """expand / repeat / new_* with a sharded DSymInt size over a dim the input does not split."""
+    src = prop.output_of(node.args[0])
+    sizes = [_sym(prop, s) for s in node.args[1]]
+    if not isinstance(src, DTensorSpec) or not all(isinstance(p, Replicate) for p in src.placements):
+        return None
+    if node.target is aten.expand.default:
+        lead = len(sizes) - len(src.tensor_meta.shape)
+        # Only broadcast dims (new, or of size 1) can take a shard without moving data.
+        sizes = [s if i < lead or src.tensor_meta.shape[i - lead] == 1 else None for i, s in enumerate(sizes)]
+    elif node.target is aten.repeat.default:
+        lead = len(sizes) - len(src.tensor_meta.shape)
+        shape = [1] * lead + list(src.tensor_meta.shape)
+        # A repeated dim splits into whole copies only if every rank gets a whole number of them.
+        sizes = [
+            s if isinstance(s, DSymInt) and shape[i] == 1 and s.global_value % _mesh_size(prop, s) == 0 else None
+            for i, s in enumerate(sizes)
+        ]
+    placements = _sharded_placements(prop, sizes)
+    if placements is None:
+        return None
+    return NodeSharding(inputs=(src, None), output=_out_spec(prop, node, placements))
+
+
+def _mesh_size(prop, s: DSymInt) -> int:
+    n = 1
+    for m in s.mesh_dims:
+        n *= prop.mesh.size(m)
+    return n
+
+
+_RULES: dict[Any, Callable] = {GRADIENT: gradient_rule}
+_RULES.update({op: factory_rule for op in FACTORY_OPS})
+_RULES.update({op: sharded_size_rule for op in NEW_FACTORY_OPS | {aten.expand.default, aten.repeat.default}})
+
+
+def _register_functional_twins() -> None:
+    """Give functional ops the DTensor strategy of their in-place twin where they have none."""
+    from torch.distributed.tensor import DTensor
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    tables = (
+        (prop.op_strategy_funcs, prop.op_to_schema_info, prop.register_op_strategy),
+        (prop.op_single_dim_strategy_funcs, prop.op_to_schema_info_for_single_dim_strategy, prop.register_single_dim_op_strategy),
+    )
+    known = lambda op: any(op in t[0] for t in tables) or op in prop.op_to_rules  # noqa: E731
+    for strategies, infos, register in tables:
+        for inplace in list(strategies):
+            name = inplace._schema.name.split("::")[-1]
+            if not name.endswith("_") or name.endswith("__"):
+                continue
+            packet = getattr(aten, name[:-1], None)
+            functional = getattr(packet, inplace._overloadname, None) if packet is not None else None
+            if functional is not None and not known(functional):
+                register(functional, strategies[inplace], infos.get(inplace))
+
+
+_register_functional_twins()
+
+
+def lookup(target: Any) -> Optional[Callable]:
+    """The spmd_expand rule for ``target``, or None where DTensor's own rule applies."""
+    return _RULES.get(target)

@@ -1,0 +1,68 @@
+"""Placement records shared by propagation, rules and expansion.
+
+``node.meta["spmd"]`` holds a :class:`NodeSharding`; tensor placements are DTensor's ``DTensorSpec``
+with the *global* tensor metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+__all__ = ["NodeSharding", "concrete", "tensor_meta", "tensor_spec", "local_shape", "local_offset", "replicate"]
+
+
+@dataclass
+class NodeSharding:
+    """Placements of one node of the global graph.
+
+    ``inputs``: the spec each tensor argument must have, in ``pytree.tree_flatten((args, kwargs))``
+    order of the node's tensor arguments (None for arguments that are not tensors).
+    ``output``: a ``DTensorSpec``, a tuple/list of them (multi-output ops), a ``DSymInt`` (sym nodes)
+    or None.
+    """
+
+    inputs: tuple[Optional[DTensorSpec], ...] = ()
+    output: Any = None
+    # Marker nodes whose gradient stays rank-local (DDP ignored_modules): no redistribution.
+    rank_local: bool = field(default=False)
+
+
+def concrete(x: Any) -> Any:
+    """The example value of a SymInt/SymFloat (its hint), ``x`` otherwise."""
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return x.node.hint
+    return x
+
+
+def tensor_meta(val: torch.Tensor) -> TensorMeta:
+    return TensorMeta(
+        torch.Size([int(concrete(s)) for s in val.shape]), tuple(int(concrete(s)) for s in val.stride()), val.dtype
+    )
+
+
+def tensor_spec(mesh: DeviceMesh, placements: Sequence[Placement], val: torch.Tensor) -> DTensorSpec:
+    """A ``DTensorSpec`` for a global tensor ``val`` (fake, possibly with symbolic sizes)."""
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=tensor_meta(val))
+
+
+def local_offset(spec: DTensorSpec) -> list[int]:
+    """Global index of this rank's first element along each dim."""
+    _, offset = compute_local_shape_and_global_offset(spec.tensor_meta.shape, spec.mesh, spec.placements)
+    return list(offset)
+
+
+def local_shape(spec: DTensorSpec) -> list[int]:
+    """This rank's local shape of a tensor with ``spec`` (DTensor's uneven-sharding rule)."""
+    shape, _ = compute_local_shape_and_global_offset(spec.tensor_meta.shape, spec.mesh, spec.placements)
+    return list(shape)
+
+
+def replicate(mesh: DeviceMesh) -> tuple[Placement, ...]:
+    return tuple(Replicate() for _ in range(mesh.ndim))

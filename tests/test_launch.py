@@ -1,0 +1,109 @@
+"""Tests for spmd_expand.launch: real gloo process groups on 2 local CPU ranks.
+
+The rank functions live at module level here: spawned ranks unpickle them by qualified name,
+importing this module through the ``sys.path`` they inherit from the pytest process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from spmd_expand import launch
+from spmd_expand.launch import RankFailedError, is_distributed_launch, run_local
+
+WORLD = 2
+
+
+def all_reduce_rank(rank: int, world_size: int, scale: float) -> tuple[int, torch.Tensor]:
+    t = torch.full((3,), float(rank + 1)) * scale
+    dist.all_reduce(t)
+    return dist.get_world_size(), t
+
+
+def raise_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise ValueError("boom from the test worker")
+    dist.barrier()  # rank 0 waits for a peer that never comes; the parent must end it
+    return rank
+
+
+def exit_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        os._exit(3)
+    return rank
+
+
+def sleep_forever(rank: int, world_size: int) -> None:
+    time.sleep(600)
+
+
+def test_all_reduce_sums_on_every_rank() -> None:
+    results = run_local(all_reduce_rank, WORLD, 2.0, timeout_s=60)
+    expected = torch.full((3,), 2.0 * sum(range(1, WORLD + 1)))
+    assert len(results) == WORLD
+    for size, tensor in results:
+        assert size == WORLD
+        torch.testing.assert_close(tensor, expected)
+
+
+def test_raising_rank_is_reported_quickly() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        run_local(raise_on_rank_one, WORLD, timeout_s=60)
+    assert time.monotonic() - start < 30
+    assert info.value.rank == 1
+    message = str(info.value)
+    assert "rank 1" in message
+    assert "ValueError: boom from the test worker" in message
+    assert "raise_on_rank_one" in message  # the traceback itself, not just the exception text
+
+
+def test_rank_exiting_without_report_is_detected() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        run_local(exit_on_rank_one, WORLD, timeout_s=60)
+    assert time.monotonic() - start < 30
+    assert info.value.rank == 1
+    assert "exited with code 3" in str(info.value)
+
+
+def test_timeout_kills_ranks_and_names_them() -> None:
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 had not reported"):
+        run_local(sleep_forever, WORLD, timeout_s=3)
+    assert time.monotonic() - start < 15
+
+
+def test_taken_port_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = iter([taken.getsockname()[1]])
+        real_free_port = launch._free_port
+        monkeypatch.setattr(launch, "_free_port", lambda: next(ports, None) or real_free_port())
+        results = run_local(all_reduce_rank, WORLD, 1.0, timeout_s=60)
+    assert [size for size, _ in results] == [WORLD, WORLD]
+
+
+def test_lambda_and_local_functions_are_refused() -> None:
+    def local(rank: int, world_size: int) -> int:
+        return rank
+
+    with pytest.raises(TypeError, match="module-level"):
+        run_local(lambda rank, world_size: rank, WORLD)
+    with pytest.raises(TypeError, match="module-level"):
+        run_local(local, WORLD)
+
+
+def test_is_distributed_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not is_distributed_launch()
+    monkeypatch.setenv("RANK", "0")
+    assert is_distributed_launch()
