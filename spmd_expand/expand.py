@@ -50,8 +50,9 @@ class RedistributeCache:
         gm = self._graphs.get(key)
         if gm is None:
             self.misses += 1
+            shape = local_shape(src)  # outside fake mode: DTensor computes offsets with real tensors
             with FakeTensorMode():
-                example = torch.empty(local_shape(src), dtype=meta.dtype)
+                example = torch.empty(shape, dtype=meta.dtype)
             gm = make_fx(lambda t: redistribute_local_tensor(t, src, dst), tracing_mode="fake")(example)
             self._graphs[key] = gm
         return gm

@@ -8,6 +8,12 @@
   ``_foreach_addcdiv.Scalar``; functionalization turns the optimizers' in-place foreach ops into these):
   the twin's own DTensor strategy is registered for them. The strategy only chooses placements, which
   do not depend on whether the op writes in place.
+* ``_scaled_dot_product_flash_attention_for_cpu`` (what SDPA runs on CPU) and its backward: the
+  strategies DTensor has for the CUDA flash kernels (torch/distributed/tensor/_ops/_matrix_ops.py):
+  all replicated, sharded on the batch dim, or sharded on the head dim (tensor parallel).
+* The functional fused optimizers (``_fused_adam``, ``_fused_adamw``, ``_fused_sgd``), which DTensor's
+  rule rejects in torch 2.13 (it expects a flat list of outputs): element i of every tensor list takes
+  the placement of parameter i; outputs mirror the updated lists.
 * ``expand``, ``repeat`` and the ``new_*`` factories have DTensor rules, but those cannot know that a
   size came from a sharded batch dim; when one did, the output is sharded the same way instead of being
   materialized at global size and split afterwards.
@@ -144,9 +150,71 @@ def _mesh_size(prop, s: DSymInt) -> int:
     return n
 
 
-_RULES: dict[Any, Callable] = {GRADIENT: gradient_rule}
-_RULES.update({op: factory_rule for op in FACTORY_OPS})
-_RULES.update({op: sharded_size_rule for op in NEW_FACTORY_OPS | {aten.expand.default, aten.repeat.default}})
+def _attention_strategy(num_outputs: int):
+    """DTensor op strategy for SDPA-on-CPU forward (2 outputs) or backward (3 outputs)."""
+    from torch.distributed.tensor._op_schema import OpStrategy
+    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+
+    def strategy(op_schema):
+        tensors = [a for a in op_schema.args_schema if isinstance(a, OpStrategy)]
+        mask = op_schema.kwargs_schema.get("attn_mask")
+        count = num_outputs + len(tensors) + (1 if isinstance(mask, OpStrategy) else 0)
+        candidates = [[Replicate()] * count]
+        query_shape = tensors[1 if num_outputs == 3 else 0].shape
+        for dim in (0, 1):  # batch dim (data parallel), head dim (tensor parallel)
+            placements = [Shard(dim)] * (num_outputs + len(tensors))
+            if isinstance(mask, OpStrategy):
+                # A mask that spans this dim is split with the queries; a broadcast one is replicated.
+                spans = mask.ndim == 4 and mask.shape[dim] == query_shape[dim]
+                placements.append(Shard(dim) if spans else Replicate())
+            candidates.append(placements)
+        return expand_to_full_mesh_op_strategy(
+            op_schema.get_mesh_from_args(), op_schema, candidates, input_index=num_outputs
+        )
+
+    return strategy
+
+
+def _fused_optimizer_rule(num_lists: int):
+    """Element i of each of the first ``num_lists`` tensor lists follows parameter i's placements."""
+
+    def rule(node: fx.Node, prop):
+        params = node.args[0]
+        param_specs = [prop.output_of(p) for p in params]
+        wanted = []
+        for arg in node.args:
+            if isinstance(arg, (list, tuple)):
+                for i, a in enumerate(arg):
+                    spec = prop.output_of(a)
+                    same_shape = tuple(spec.tensor_meta.shape) == tuple(param_specs[i].tensor_meta.shape)
+                    placements = param_specs[i].placements if same_shape else tuple(Replicate() for _ in range(prop.mesh.ndim))
+                    wanted.append(DTensorSpec(prop.mesh, placements, tensor_meta=spec.tensor_meta))
+            elif isinstance(arg, fx.Node):
+                wanted.append(prop.output_of(arg))
+            else:
+                wanted.append(None)
+        for v in node.kwargs.values():
+            if isinstance(v, fx.Node):
+                wanted.append(prop.output_of(v))
+        outputs = tuple(
+            [DTensorSpec(prop.mesh, param_specs[i].placements, tensor_meta=prop.output_of(a).tensor_meta) for i, a in enumerate(node.args[k])]
+            for k in range(num_lists)
+        )
+        return NodeSharding(inputs=tuple(wanted), output=outputs)
+
+    return rule
+
+
+def _register_dtensor_strategies() -> None:
+    from torch.distributed.tensor import DTensor
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    for op, outputs in (
+        (aten._scaled_dot_product_flash_attention_for_cpu.default, 2),
+        (aten._scaled_dot_product_flash_attention_for_cpu_backward.default, 3),
+    ):
+        if op not in prop.op_strategy_funcs:
+            prop.register_op_strategy(op, _attention_strategy(outputs))
 
 
 def _register_functional_twins() -> None:
@@ -171,6 +239,17 @@ def _register_functional_twins() -> None:
 
 
 _register_functional_twins()
+_register_dtensor_strategies()
+
+
+_RULES: dict[Any, Callable] = {
+    GRADIENT: gradient_rule,
+    aten._fused_adam.default: _fused_optimizer_rule(5),
+    aten._fused_adamw.default: _fused_optimizer_rule(5),
+    aten._fused_sgd.default: _fused_optimizer_rule(3),
+}
+_RULES.update({op: factory_rule for op in FACTORY_OPS})
+_RULES.update({op: sharded_size_rule for op in NEW_FACTORY_OPS | {aten.expand.default, aten.repeat.default}})
 
 
 def lookup(target: Any) -> Optional[Callable]:

@@ -1,0 +1,292 @@
+"""Train-step cases shared by the parity tests: model, optimizer, batch and step, all deterministic.
+
+Each case runs once on one device over the global batch (the reference) and once compiled on W
+ranks, each with its shard of that batch; ``run_cases`` (a worker for ``spmd_expand.launch.run_local``)
+returns both so the test process can compare them.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import spmd_expand as spmd
+from spmd_expand.data import shard
+from spmd_expand.models import GPT, MLP, GPTConfig, build_gpt
+
+GLOBAL_BATCH = 8
+
+
+def cross_entropy_step(model, optimizer, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def gpt_step(model, optimizer, idx, targets):
+    loss = model(idx, targets)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def microbatch_step(model, optimizer, x, y):
+    """Gradient accumulation over 2 micro-batches, traced unrolled."""
+    total = 0.0
+    for xs, ys in zip(x.chunk(2), y.chunk(2)):
+        loss = F.cross_entropy(model(xs), ys) / 2
+        loss.backward()
+        total = total + loss.detach()
+    optimizer.step()
+    optimizer.zero_grad()
+    return total
+
+
+def mse_step(model, optimizer, x):
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+OPTIMIZERS: dict[str, Callable] = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "sgd_foreach": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True),
+    "adam_foreach": lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True),
+    "adam_fused": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
+    "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+}
+
+
+# ---------------------------------------------------------------- one-op models
+class LogSoftmaxModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 8) * 0.1)
+
+    def forward(self, x):
+        return F.log_softmax(x @ self.w, dim=-1)
+
+
+class NllLossModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return F.log_softmax(self.fc(x), dim=-1)
+
+
+def nll_step(model, optimizer, x, y):
+    loss = F.nll_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+class EmbeddingLayerNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.ln = nn.LayerNorm(16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, idx):
+        return self.out(self.ln(self.emb(idx)).mean(dim=1))
+
+
+class FullModel(nn.Module):
+    """torch.full sized by the batch: a DSymInt-sized factory."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        bias = torch.full((x.shape[0], 1), 0.5)
+        return self.fc(x) + bias
+
+
+class ArangeModel(nn.Module):
+    """arange over the batch dim, used as values (each row scaled by its global index)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        scale = torch.arange(x.shape[0], dtype=x.dtype).unsqueeze(1) / x.shape[0]
+        return self.fc(x) * (1 + scale)
+
+
+class NumelModel(nn.Module):
+    """sym_numel as a scalar: a hand-written mean over the whole (global) batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h.sum() / h.numel()
+
+
+class StrideModel(nn.Module):
+    """stride(0) of the batch used as a size (the row length): must stay a local, correct value."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h.view(-1, h.stride(0)).sum(-1).pow(2).mean()
+
+
+class StackModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 4)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return torch.stack([self.a(x), self.b(x)], dim=1).pow(2).mean()
+
+
+class SliceModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return (h[:, 2:6] * h[:, :4]).mean()
+
+
+class Cat100Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.cat([h * (i + 1) / 100 for i in range(100)], dim=1).pow(2).mean()
+
+
+class ViewExpandModel(nn.Module):
+    """A view/expand chain on the batch dim, sizes read from the batch (DSymInt)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        b = x.shape[0]
+        h = self.fc(x).view(b, 2, 2)
+        g = h.unsqueeze(1).expand(b, 3, 2, 2).reshape(b, 12)
+        return g.pow(2).mean()
+
+
+@dataclass
+class Case:
+    model: Callable[[], nn.Module]
+    optimizer: str
+    batch: Callable[[torch.Generator], tuple]
+    step: Callable
+
+
+def _xy(g):
+    return torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randint(0, 4, (GLOBAL_BATCH,), generator=g)
+
+
+def _x(g):
+    return (torch.randn(GLOBAL_BATCH, 16, generator=g),)
+
+
+def _tokens(g):
+    idx = torch.randint(0, 32, (GLOBAL_BATCH, 16), generator=g)
+    return idx, torch.roll(idx, -1, dims=1)
+
+
+GPT_CONFIG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd=32)
+
+CASES: dict[str, Case] = {
+    **{f"mlp_{name}": Case(MLP, name, _xy, cross_entropy_step) for name in OPTIMIZERS},
+    "mlp_microbatch": Case(MLP, "adamw_foreach", _xy, microbatch_step),
+    "gpt_adamw": Case(lambda: build_gpt(GPT_CONFIG, seed=0), "adamw_foreach", _tokens, gpt_step),
+    "log_softmax": Case(LogSoftmaxModel, "sgd", _xy, nll_step),
+    "nll_loss": Case(NllLossModel, "sgd_momentum", _xy, nll_step),
+    "embedding_layer_norm": Case(EmbeddingLayerNorm, "adam_foreach", lambda g: (torch.randint(0, 32, (GLOBAL_BATCH, 6), generator=g), torch.randint(0, 4, (GLOBAL_BATCH,), generator=g)), cross_entropy_step),
+    "full": Case(FullModel, "sgd", _xy, cross_entropy_step),
+    "arange": Case(ArangeModel, "sgd", _xy, cross_entropy_step),
+    "sym_numel": Case(NumelModel, "sgd", _x, lambda m, o, x: _scalar_step(m, o, x)),
+    "stride": Case(StrideModel, "sgd", _x, lambda m, o, x: _scalar_step(m, o, x)),
+    "stack": Case(StackModel, "sgd", _x, lambda m, o, x: _scalar_step(m, o, x)),
+    "slice": Case(SliceModel, "sgd", _x, lambda m, o, x: _scalar_step(m, o, x)),
+    "cat100": Case(Cat100Model, "sgd", _x, lambda m, o, x: _scalar_step(m, o, x)),
+    "view_expand": Case(ViewExpandModel, "sgd", _x, lambda m, o, x: _scalar_step(m, o, x)),
+}
+
+
+def _scalar_step(model, optimizer, x):
+    loss = model(x)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def run_case(case: Case, mesh, rank: int, world: int, steps: int, lower: str) -> dict:
+    torch.manual_seed(0)
+    model = case.model()
+    reference = copy.deepcopy(model)
+    optimizer = OPTIMIZERS[case.optimizer](model.parameters())
+    ref_optimizer = OPTIMIZERS[case.optimizer](reference.parameters())
+    step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower=lower)(case.step)
+    losses, ref_losses = [], []
+    for i in range(steps):
+        batch = case.batch(torch.Generator().manual_seed(100 + i))
+        ref_losses.append(case.step(reference, ref_optimizer, *batch).detach())
+        local = [shard(t, rank, world) for t in batch]
+        losses.append(step(model, optimizer, *local).detach())
+    return {
+        "losses": torch.stack(losses),
+        "ref_losses": torch.stack(ref_losses),
+        "params": {k: _full(v).detach().clone() for k, v in model.named_parameters()},
+        "ref_params": {k: v.detach().clone() for k, v in reference.named_parameters()},
+        "states": {f"{k}.{s}": _full(t).clone() for k, p in model.named_parameters() for s, t in optimizer.state[p].items() if isinstance(t, torch.Tensor)},
+        "ref_states": {f"{k}.{s}": t.clone() for k, p in reference.named_parameters() for s, t in ref_optimizer.state[p].items() if isinstance(t, torch.Tensor)},
+        "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
+    }
+
+
+def run_cases(rank: int, world: int, names: list[str], steps: int = 3, lower: str = "eager") -> dict:
+    """Worker: run each named case on this rank; errors are returned per case, not raised."""
+    import traceback
+
+    mesh = init_device_mesh("cpu", (world,))
+    results = {}
+    for name in names:
+        try:
+            results[name] = run_case(CASES[name], mesh, rank, world, steps, lower)
+        except Exception:  # noqa: BLE001 - reported per case by the test
+            results[name] = {"error": traceback.format_exc()}
+    return results
