@@ -74,7 +74,9 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.head_dim = config.n_embd // config.n_head
         self.q_proj = nn.Linear(config.n_embd, config.n_embd)
-        self.k_proj = nn.Linear(config.n_embd, config.n_embd)
+        # No key bias: its gradient is identically zero (softmax ignores a per-query shift of the
+        # scores), so Adam would turn rounding noise in it into full-size updates.
+        self.k_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
         self.v_proj = nn.Linear(config.n_embd, config.n_embd)
         self.out_proj = nn.Linear(config.n_embd, config.n_embd)
 

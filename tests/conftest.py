@@ -1,0 +1,28 @@
+"""Shared fixtures: one in-process fake process group (world size 4) for tracing-only tests.
+
+The fake backend runs no real communication (collectives return garbage), so tests using it only
+inspect graphs and placements, never numbers. Only one default group can exist per process, hence a
+session-scoped fixture; it is created only when a test asks for it (spawned multi-rank tests do not).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+FAKE_WORLD_SIZE = 4
+
+
+@pytest.fixture(scope="session")
+def fake_mesh():
+    """A 1-D CPU ``DeviceMesh`` of size 4 over a fake process group (this process is rank 0)."""
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("fake", rank=0, world_size=FAKE_WORLD_SIZE, store=FakeStore())
+    else:
+        assert dist.get_world_size() == FAKE_WORLD_SIZE, "another default process group already exists"
+    yield init_device_mesh("cpu", (FAKE_WORLD_SIZE,))
+    if owned:
+        dist.destroy_process_group()

@@ -1,0 +1,223 @@
+"""Collectives in the expanded local graph of DDP steps (fake 4-rank mesh; graphs only, no numerics).
+
+DDP's contract: each gradient is all-reduced exactly once per step, where the optimizer reads it, no
+matter how many micro-batches accumulate into it or how many optimizer ops read it; the batch is never
+gathered; the returned loss is reduced to its single-device value.
+"""
+
+from __future__ import annotations
+
+import collections
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+import spmd_expand as spmd
+from spmd_expand.models import MLP
+
+C10D = torch.ops._c10d_functional
+aten = torch.ops.aten
+B_LOCAL = 4
+PARAM_SHAPES = sorted([(32, 16), (32,), (4, 32), (4,)])  # MLP(16, 32, 4)
+
+
+# ---------------------------------------------------------------- steps
+def ce_step(model, optimizer, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def mse_step(model, optimizer, x, y):
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def ce_microbatch_step(model, optimizer, x, y):
+    total = 0.0
+    for xs, ys in zip(x.chunk(2), y.chunk(2)):
+        loss = F.cross_entropy(model(xs), ys) / 2
+        loss.backward()
+        total = total + loss.detach()
+    optimizer.step()
+    optimizer.zero_grad()
+    return total
+
+
+def mse_microbatch_step(model, optimizer, x, y):
+    total = 0.0
+    for xs in x.chunk(2):
+        loss = model(xs).pow(2).mean() / 2
+        loss.backward()
+        total = total + loss.detach()
+    optimizer.step()
+    optimizer.zero_grad()
+    return total
+
+
+# ---------------------------------------------------------------- helpers
+def compile_and_run(mesh, fn, make_optimizer, calls=1):
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = make_optimizer(model.parameters())
+    step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(fn)
+    x, y = torch.randn(B_LOCAL, 16), torch.randint(0, 4, (B_LOCAL,))
+    graphs = []
+    for _ in range(calls):
+        step(model, optimizer, x, y)
+        graphs.append(step.last.local_graph)
+    return step, graphs
+
+
+def sgd(ps):
+    return torch.optim.SGD(ps, lr=0.1)
+
+
+def adamw_foreach(ps):
+    return torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True)
+
+
+def c10d_counts(gm: fx.GraphModule) -> collections.Counter:
+    return collections.Counter(
+        n.target._overloadpacket.__name__
+        for n in gm.graph.nodes
+        if n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional"
+    )
+
+
+def all_reduces(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is C10D.all_reduce.default]
+
+
+def reduced_shape(node: fx.Node) -> tuple:
+    return tuple(int(s) for s in node.meta["val"].shape)
+
+
+def gradient_reductions(gm: fx.GraphModule) -> list[fx.Node]:
+    """All-reduces of parameter-shaped (non-scalar) tensors: DDP's gradient reductions."""
+    return [n for n in all_reduces(gm) if reduced_shape(n) != ()]
+
+
+def is_nll_total_weight(node: fx.Node) -> bool:
+    src = node.args[0]
+    return (
+        src.op == "call_function"
+        and src.target is operator.getitem
+        and src.args[1] == 1
+        and src.args[0].target in (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+    )
+
+
+def returned_reductions(gm: fx.GraphModule) -> list[fx.Node]:
+    """All-reduces whose waited result is a graph output (the step's returned values)."""
+    outputs = set(gm.graph.output_node().args[0])
+    return [n for n in all_reduces(gm) if any(u.target is C10D.wait_tensor.default and u in outputs for u in n.users)]
+
+
+def assert_every_collective_waited(gm: fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional" \
+                and node.target is not C10D.wait_tensor.default:
+            waits = [u for u in node.users if u.target is C10D.wait_tensor.default]
+            assert len(waits) == 1, f"{node.format_node()} has no (single) wait_tensor user"
+
+
+# ---------------------------------------------------------------- fixtures: compile each step once
+@pytest.fixture(scope="module")
+def ce_sgd(fake_mesh):
+    return compile_and_run(fake_mesh, ce_step, sgd)[1][0]
+
+
+@pytest.fixture(scope="module")
+def mse_sgd(fake_mesh):
+    return compile_and_run(fake_mesh, mse_step, sgd)[1][0]
+
+
+# ---------------------------------------------------------------- single batch
+def test_mse_sgd_ddp_counts(mse_sgd):
+    counts = c10d_counts(mse_sgd)
+    # 4 gradients + 1 returned loss; nothing else.
+    assert counts["all_reduce"] == 5, counts
+    assert counts["all_gather_into_tensor"] == 0, counts
+    assert counts["reduce_scatter_tensor"] == 0, counts
+    assert counts["wait_tensor"] == 5, counts
+    assert sorted(reduced_shape(n) for n in gradient_reductions(mse_sgd)) == PARAM_SHAPES
+    assert len(returned_reductions(mse_sgd)) == 1
+    assert_every_collective_waited(mse_sgd)
+
+
+def test_cross_entropy_sgd_ddp_counts(ce_sgd):
+    counts = c10d_counts(ce_sgd)
+    assert counts["all_gather_into_tensor"] == 0, counts
+    assert counts["reduce_scatter_tensor"] == 0, counts
+    assert counts["all_to_all_single"] == 0, counts
+    grads = gradient_reductions(ce_sgd)
+    assert sorted(reduced_shape(n) for n in grads) == PARAM_SHAPES  # each gradient exactly once
+    returned = returned_reductions(ce_sgd)
+    assert len(returned) == 1
+    # The only other all-reduce allowed: nll_loss's total_weight, which DTensor's nll_loss_backward
+    # rule needs replicated to divide by the global count (a scalar).
+    others = [n for n in all_reduces(ce_sgd) if n not in grads and n not in returned]
+    assert all(is_nll_total_weight(n) for n in others), [n.format_node() for n in others]
+    assert len(others) <= 1
+    assert counts["all_reduce"] == 4 + 1 + len(others), counts
+    assert_every_collective_waited(ce_sgd)
+
+
+def test_gradient_reductions_sum_and_feed_the_update(ce_sgd):
+    for ar in gradient_reductions(ce_sgd):
+        # all_reduce(tensor, reduce_op, group_name)
+        assert ar.args[1] == "sum", ar.format_node()
+        (wait,) = ar.users
+        assert wait.target is C10D.wait_tensor.default
+        # The reduced gradient is consumed by the SGD update (p + (-lr) * g).
+        assert any(u.target is aten.add.Tensor for u in wait.users), [u.format_node() for u in wait.users]
+
+
+# ---------------------------------------------------------------- micro-batches
+def test_ce_microbatch_reduces_each_gradient_once(fake_mesh, ce_sgd):
+    _, (micro,) = compile_and_run(fake_mesh, ce_microbatch_step, sgd)
+    counts = c10d_counts(micro)
+    # DDP never needs the global batch on one rank: each rank works on (micro-batches of) its shard.
+    assert counts["all_gather_into_tensor"] == 0, (
+        f"the batch is all-gathered, so every rank computes the whole global batch: {counts}"
+    )
+    assert sorted(reduced_shape(n) for n in gradient_reductions(micro)) == PARAM_SHAPES, (
+        f"expected one all-reduce per gradient per step, as in the single-batch step; got {counts}"
+    )
+    assert len(gradient_reductions(micro)) == len(gradient_reductions(ce_sgd))
+    assert_every_collective_waited(micro)
+
+
+def test_mse_microbatch_same_all_reduce_count_as_single_batch(fake_mesh, mse_sgd):
+    _, (micro,) = compile_and_run(fake_mesh, mse_microbatch_step, sgd)
+    counts = c10d_counts(micro)
+    assert counts["all_reduce"] == c10d_counts(mse_sgd)["all_reduce"], counts
+    assert counts["all_gather_into_tensor"] == 0, counts
+    assert_every_collective_waited(micro)
+
+
+# ---------------------------------------------------------------- AdamW foreach: many readers, one reduction
+def test_adamw_foreach_reduces_each_gradient_once(fake_mesh):
+    step, graphs = compile_and_run(fake_mesh, ce_step, adamw_foreach, calls=2)
+    assert len(step.cache) == 2  # first call creates the states; the second is the steady-state graph
+    global_graph = step.last.traced.graph_module.graph
+    markers = [n for n in global_graph.nodes if n.op == "call_function" and n.target is torch.ops.spmd_expand.gradient.default]
+    assert len(markers) == 4
+    # Precondition: AdamW reads each gradient in several foreach ops (lerp, addcmul twice).
+    assert all(len(m.users) >= 2 for m in markers), [len(m.users) for m in markers]
+    for gm in graphs:
+        counts = c10d_counts(gm)
+        assert sorted(reduced_shape(n) for n in gradient_reductions(gm)) == PARAM_SHAPES, counts
+        assert counts["all_gather_into_tensor"] == 0 and counts["reduce_scatter_tensor"] == 0, counts
+        assert len(returned_reductions(gm)) == 1
+        assert counts["all_reduce"] <= 4 + 1 + 1, counts  # + nll total_weight at most
+        assert_every_collective_waited(gm)
