@@ -124,6 +124,9 @@ def apply_arithmetic(op, args: Sequence[object]) -> DSymInt:
     global_value = fn(*(v.global_value for v in values))
     sharded = [v for v in values if v.is_sharded]
     if len(sharded) == 1 and _scales(op) and (op is operator.mul or values[0].is_sharded):
+        divisor = values[1].global_value
+        if op is operator.floordiv and (values[0].global_value % divisor or values[0].local_value % divisor):
+            return DSymInt(global_value, global_value, ())
         local_value = fn(*(v.local_value for v in values))
         return DSymInt(global_value, local_value, sharded[0].mesh_dims)
     return DSymInt(global_value, global_value, ())

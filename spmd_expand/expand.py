@@ -156,6 +156,12 @@ class _Expander:
         """(op, args) with global sizes rewritten to this rank's local sizes where the output is sharded."""
         target = node.target
         out = sharding.output
+        if target in (aten.split.Tensor, aten.split_with_sizes.default):
+            # Pieces of a split along a sharded dim are sharded too: split by their local sizes.
+            dim = args[2] if len(args) > 2 else 0
+            sizes = [local_shape(piece)[dim] for piece in out]
+            args[1] = sizes[0] if target is aten.split.Tensor else sizes
+            return target, args
         if not isinstance(out, DTensorSpec) or all(not isinstance(p, Shard) for p in out.placements):
             return target, args
         shape = local_shape(out)

@@ -14,6 +14,11 @@
 * The functional fused optimizers (``_fused_adam``, ``_fused_adamw``, ``_fused_sgd``), which DTensor's
   rule rejects in torch 2.13 (it expects a flat list of outputs): element i of every tensor list takes
   the placement of parameter i; outputs mirror the updated lists.
+* ``split`` of a tensor along a dim it is sharded on, into equal pieces (micro-batches of a batch):
+  DTensor would replicate the tensor first. Instead the input is laid out as
+  ``_StridedShard(dim, split_factor=pieces)`` (rank r holds the r-th shard of every piece; DTensor
+  plans that redistribution) and every piece comes out ``Shard(dim)``, so each micro-batch stays
+  data-parallel and equals the single-device micro-batch exactly.
 * ``expand``, ``repeat`` and the ``new_*`` factories have DTensor rules, but those cannot know that a
   size came from a sharded batch dim; when one did, the output is sharded the same way instead of being
   materialized at global size and split afterwards.
@@ -143,6 +148,36 @@ def sharded_size_rule(node: fx.Node, prop):
     return NodeSharding(inputs=(src, None), output=_out_spec(prop, node, placements))
 
 
+def split_rule(node: fx.Node, prop):
+    """Equal split along a dim sharded on exactly one mesh dim (see the module docstring)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    src = prop.output_of(node.args[0])
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    dim %= len(src.tensor_meta.shape)
+    sharded = [m for m, p in enumerate(src.placements) if isinstance(p, Shard) and p.dim == dim]
+    if len(sharded) != 1 or any(isinstance(p, Shard) for m, p in enumerate(src.placements) if m not in sharded):
+        return None
+    mesh_dim, total = sharded[0], src.tensor_meta.shape[dim]
+    size = prop.mesh.size(mesh_dim)
+    if node.target is aten.split.Tensor:
+        piece = int(getattr(_sym(prop, node.args[1]), "global_value", _sym(prop, node.args[1])))
+        sizes = [piece] * (total // piece) if piece and total % piece == 0 else None
+    else:
+        sizes = [int(getattr(_sym(prop, s), "global_value", _sym(prop, s))) for s in node.args[1]]
+    if not sizes or len(set(sizes)) != 1 or sizes[0] % size or len(sizes) == 1:
+        return None
+    strided = list(src.placements)
+    strided[mesh_dim] = _StridedShard(dim, split_factor=len(sizes))
+    wanted = DTensorSpec(prop.mesh, tuple(strided), tensor_meta=src.tensor_meta)
+    pieces = [_out_spec_of(prop, v, src.placements) for v in node.meta["val"]]
+    return NodeSharding(inputs=(wanted,), output=pieces)
+
+
+def _out_spec_of(prop, val, placements) -> DTensorSpec:
+    return tensor_spec(prop.mesh, placements, val)
+
+
 def _mesh_size(prop, s: DSymInt) -> int:
     n = 1
     for m in s.mesh_dims:
@@ -249,6 +284,7 @@ _RULES: dict[Any, Callable] = {
     aten._fused_sgd.default: _fused_optimizer_rule(3),
 }
 _RULES.update({op: factory_rule for op in FACTORY_OPS})
+_RULES.update({aten.split.Tensor: split_rule, aten.split_with_sizes.default: split_rule})
 _RULES.update({op: sharded_size_rule for op in NEW_FACTORY_OPS | {aten.expand.default, aten.repeat.default}})
 
 

@@ -91,6 +91,24 @@ _FUNCTIONAL_VARIANT = {
 }
 
 
+def _nll_loss_mean_as_sum(self, target, weight, reduction, ignore_index):
+    """``nll_loss_forward`` with ``reduction="mean"`` as ``sum / total_weight`` (same values).
+
+    DTensor's rule for the mean form averages per-rank means (``Partial(avg)``), which is wrong when
+    ranks ignore different numbers of targets; as a sum and a total weight, both are reduced before
+    the division, so the mean is over the global batch.
+    """
+    if reduction != 1:  # torch._reduction: 0 none, 1 mean, 2 sum
+        return NotImplemented
+    total, total_weight = aten.nll_loss_forward.default(self, target, weight, 2, ignore_index)
+    return total / total_weight, total_weight
+
+
+# Applied while functionalizing (pass 2): rewrites that keep single-device values and give the
+# sharded program the global semantics.
+_DECOMPOSITIONS = {aten.nll_loss_forward.default: _nll_loss_mean_as_sum}
+
+
 class _FunctionalizingInterpreter(fx.Interpreter):
     """Runs graph 1 under functionalize, swapping fused in-place optimizer ops for functional ones."""
 
@@ -262,7 +280,11 @@ def trace_step(
                 with torch.no_grad(), fx_traceback.preserve_node_meta():
                     return _FunctionalizingInterpreter(autograd_graph).run(*flat)
 
-            functional = make_fx(torch.func.functionalize(replay, remove="mutations"), tracing_mode="symbolic")(*detached)
+            functional = make_fx(
+                torch.func.functionalize(replay, remove="mutations"),
+                decomposition_table=_DECOMPOSITIONS,
+                tracing_mode="symbolic",
+            )(*detached)
     except TraceError:
         raise
     except Exception as e:  # noqa: BLE001 - every tracing failure becomes one clear error

@@ -183,26 +183,33 @@ def test_gradient_reductions_sum_and_feed_the_update(ce_sgd):
 
 
 # ---------------------------------------------------------------- micro-batches
-def test_ce_microbatch_reduces_each_gradient_once(fake_mesh, ce_sgd):
-    _, (micro,) = compile_and_run(fake_mesh, ce_microbatch_step, sgd)
-    counts = c10d_counts(micro)
-    # DDP never needs the global batch on one rank: each rank works on (micro-batches of) its shard.
-    assert counts["all_gather_into_tensor"] == 0, (
-        f"the batch is all-gathered, so every rank computes the whole global batch: {counts}"
-    )
-    assert sorted(reduced_shape(n) for n in gradient_reductions(micro)) == PARAM_SHAPES, (
-        f"expected one all-reduce per gradient per step, as in the single-batch step; got {counts}"
-    )
-    assert len(gradient_reductions(micro)) == len(gradient_reductions(ce_sgd))
+def assert_only_batch_inputs_gathered(gm: fx.GraphModule) -> None:
+    """Micro-batches of a sharded batch may re-lay out the *input* batch (an all-gather of the
+    placeholder, so each micro-batch is evenly sharded), but nothing computed is ever gathered."""
+    for n in gm.graph.nodes:
+        if n.target is C10D.all_gather_into_tensor.default:
+            assert n.args[0].op == "placeholder", f"an activation or gradient is all-gathered: {n.format_node()}"
+
+
+@pytest.mark.parametrize("step_fn", [ce_microbatch_step, mse_microbatch_step])
+def test_microbatch_reduces_each_gradient_once(fake_mesh, step_fn):
+    _, (micro,) = compile_and_run(fake_mesh, step_fn, sgd)
+    # One reduction per gradient per step, however many micro-batches accumulated into it.
+    assert sorted(reduced_shape(n) for n in gradient_reductions(micro)) == PARAM_SHAPES, c10d_counts(micro)
+    assert c10d_counts(micro)["reduce_scatter_tensor"] == 0
+    assert_only_batch_inputs_gathered(micro)
     assert_every_collective_waited(micro)
 
 
-def test_mse_microbatch_same_all_reduce_count_as_single_batch(fake_mesh, mse_sgd):
+def test_microbatch_compute_stays_data_parallel(fake_mesh):
+    """Each rank runs the model on its 1/W share of every micro-batch, not on the global batch."""
+    from torch.distributed.tensor import Shard
+
     _, (micro,) = compile_and_run(fake_mesh, mse_microbatch_step, sgd)
-    counts = c10d_counts(micro)
-    assert counts["all_reduce"] == c10d_counts(mse_sgd)["all_reduce"], counts
-    assert counts["all_gather_into_tensor"] == 0, counts
-    assert_every_collective_waited(micro)
+    matmuls = [n for n in micro.graph.nodes if n.target is aten.addmm.default]
+    assert len(matmuls) == 4  # 2 layers x 2 micro-batches, forward
+    for mm in matmuls:
+        assert mm.meta["spmd"].output.placements == (Shard(0),), mm.meta["spmd"].output
 
 
 # ---------------------------------------------------------------- AdamW foreach: many readers, one reduction
@@ -221,3 +228,90 @@ def test_adamw_foreach_reduces_each_gradient_once(fake_mesh):
         assert len(returned_reductions(gm)) == 1
         assert counts["all_reduce"] <= 4 + 1 + 1, counts  # + nll total_weight at most
         assert_every_collective_waited(gm)
+
+
+# ---------------------------------------------------------------- lockstep simulation of the W ranks
+# The fake process group computes nothing, so the local graph is run here for all W ranks at once, node
+# by node, with all_reduce evaluated across the ranks' values. For DDP the local graph does not depend on
+# the rank (no offsets), so rank 0's graph serves every rank. This checks the semantic promise in-process.
+def simulate(gm: fx.GraphModule, per_rank_inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    world = len(per_rank_inputs)
+    envs: list[dict] = [{} for _ in range(world)]
+    placeholders = iter(range(len(per_rank_inputs[0])))
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            i = next(placeholders)
+            for r in range(world):
+                envs[r][node] = per_rank_inputs[r][i]
+        elif node.op == "get_attr":
+            for r in range(world):
+                envs[r][node] = getattr(gm, node.target)
+        elif node.op == "output":
+            return [list(fx.node.map_arg(node.args[0], lambda n: env[n])) for env in envs]
+        elif node.target is C10D.all_reduce.default:
+            values = [env[node.args[0]] for env in envs]
+            total = torch.stack(values).sum(0)
+            op = node.args[1]
+            assert op in ("sum", "avg"), node.format_node()
+            reduced = total / world if op == "avg" else total
+            for env in envs:
+                env[node] = reduced.clone()
+        elif node.target is C10D.wait_tensor.default:
+            for env in envs:
+                env[node] = env[node.args[0]]
+        else:
+            assert getattr(node.target, "namespace", None) != "_c10d_functional", node.format_node()
+            for env in envs:
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+                env[node] = node.target(*args, **kwargs)
+    raise AssertionError("graph without output")
+
+
+def simulated_ddp_step(mesh, fn, x, y):
+    """(reference loss, reference params, per-rank losses, per-rank params) after one SGD step."""
+    world = mesh.size()
+    torch.manual_seed(0)
+    model = MLP()
+    initial = {k: v.detach().clone() for k, v in model.named_parameters()}
+    reference = MLP()
+    reference.load_state_dict(initial)
+    ref_loss = fn(reference, sgd(reference.parameters()), x, y).detach()
+
+    step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(fn)
+    n = x.shape[0] // world
+    step(model, sgd(model.parameters()), x[:n], y[:n])
+    art = step.last
+    inputs = []
+    for r in range(world):
+        shards = {"0": x[r * n:(r + 1) * n], "1": y[r * n:(r + 1) * n]}
+        rank_inputs = []
+        for role in art.traced.inputs:
+            assert role.kind in ("param", "batch"), role
+            rank_inputs.append(initial[role.fqn].clone() if role.kind == "param" else shards[role.key].clone())
+        inputs.append(rank_inputs)
+    outputs = simulate(art.local_graph, inputs)
+    params = [{role.fqn: t for role, t in zip(art.traced.inputs, rank_inputs) if role.kind == "param"} for rank_inputs in inputs]
+    return ref_loss, dict(reference.named_parameters()), [o[0] for o in outputs], params
+
+
+def check_ranks(mesh, x, y, fn=ce_step):
+    ref_loss, ref_params, losses, params = simulated_ddp_step(mesh, fn, x, y)
+    for r, (loss, ps) in enumerate(zip(losses, params)):
+        for fqn, p in ps.items():
+            torch.testing.assert_close(p, ref_params[fqn].detach(), rtol=1e-4, atol=1e-5, msg=f"rank {r} {fqn}")
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {r} returned loss: {m}")
+
+
+def test_simulated_ranks_match_single_device(fake_mesh):
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 16, generator=g), torch.randint(0, 4, (16,), generator=g)
+    check_ranks(fake_mesh, x, y)
+    check_ranks(fake_mesh, x, y, fn=mse_step)
+
+
+def test_simulated_ranks_cross_entropy_with_ignored_targets(fake_mesh):
+    """A mean over the global batch is not the average of per-rank means when ranks ignore different counts."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 16, generator=g), torch.randint(0, 4, (16,), generator=g)
+    y[:3] = -100  # ignore_index: 3 of rank 0's 4 targets, none of the others'
+    check_ranks(fake_mesh, x, y)

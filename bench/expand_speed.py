@@ -1,0 +1,120 @@
+"""Expansion speed of the GPT train step versus re-tracing the step through DTensor.
+
+For L in (4, 8, 16, 32) layers, on torch's fake process group of world size 8 (no real ranks):
+
+* spmd_expand: trace the global step once (make_fx, 2 passes), propagate placements, expand to the
+  local graph. Reported separately as ``trace_s`` and ``expand_s`` (propagate + expand), and in total.
+* baseline: ``make_fx`` of the same step on DTensor-wrapped local tensors (``DTensor.from_local``),
+  which records the local graph by running DTensor's dispatch (propagation + redistribution) op by op.
+
+Prints one JSON object: per L the node counts, seconds, the ratio baseline / spmd_expand, and the time
+growth per doubling of L. Run: ``python bench/expand_speed.py [--layers 4 8 16 32] [--repeats 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.utils import stateless
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import spmd_expand as spmd
+from spmd_expand.models import GPTConfig, build_gpt
+
+WORLD = 8
+BATCH, BLOCK = 16, 32
+
+
+def step(model, optimizer, idx, targets):
+    loss = model(idx, targets)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def ours(layers: int, mesh) -> dict:
+    model = build_gpt(GPTConfig(vocab_size=64, block_size=BLOCK, n_layer=layers, n_head=4, n_embd=64))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    idx = torch.randint(0, 64, (BATCH // WORLD, BLOCK))
+    compiled = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(step)
+    # Warm-up call: creates the optimizer state, so the measured compile is the steady-state graph.
+    compiled(model, optimizer, idx, idx)
+    compiled.cache.clear()
+    compiled.redistribute_cache = type(compiled.redistribute_cache)()
+    compiled(model, optimizer, idx, idx)
+    s = compiled.last.seconds
+    return {
+        "global_nodes": len(compiled.last.traced.graph_module.graph.nodes),
+        "local_nodes": len(compiled.last.local_graph.graph.nodes),
+        "trace_s": s["trace"],
+        "expand_s": s["propagate"] + s["expand"],
+        "total_s": s["trace"] + s["propagate"] + s["expand"],
+    }
+
+
+def baseline(layers: int, mesh) -> dict:
+    """make_fx of the step with parameters, states and batch as DTensors over local tensors."""
+    model = build_gpt(GPTConfig(vocab_size=64, block_size=BLOCK, n_layer=layers, n_head=4, n_embd=64))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    step(model, optimizer, torch.randint(0, 64, (2, BLOCK)), torch.randint(0, 64, (2, BLOCK)))  # create states
+    names = [n for n, _ in model.named_parameters()]
+    params = [p.detach() for p in model.parameters()]
+    states = [{k: v.detach() for k, v in optimizer.state[p].items()} for p in model.parameters()]
+    idx = torch.randint(0, 64, (BATCH // WORLD, BLOCK))
+
+    def local_step(params, states, idx):
+        wrap = lambda t, pl: DTensor.from_local(t, mesh, pl, run_check=False)  # noqa: E731
+        dparams = {n: nn.Parameter(wrap(p, [Replicate()])) for n, p in zip(names, params)}
+        opt = copy.copy(optimizer)
+        opt.state = {dparams[n]: {k: wrap(v, [Replicate()]) for k, v in s.items()} for n, s in zip(names, states)}
+        opt.param_groups = [dict(g, params=list(dparams.values())) for g in optimizer.param_groups]
+        # implicit_replication: plain tensors made inside the step (position ids) count as replicated.
+        with stateless._reparametrize_module(model, dparams, tie_weights=True), implicit_replication():
+            loss = step(model, opt, wrap(idx, [Shard(0)]), wrap(idx, [Shard(0)]))
+        return loss.to_local(), [p.to_local() for p in dparams.values()]
+
+    start = time.perf_counter()
+    gm = make_fx(local_step)(params, states, idx)
+    return {"nodes": len(gm.graph.nodes), "total_s": time.perf_counter() - start}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16, 32])
+    parser.add_argument("--repeats", type=int, default=3, help="best of N for each measurement")
+    args = parser.parse_args()
+    dist.init_process_group("fake", rank=0, world_size=WORLD, store=FakeStore())
+    mesh = init_device_mesh("cpu", (WORLD,))
+    rows = []
+    for layers in args.layers:
+        mine = min((ours(layers, mesh) for _ in range(args.repeats)), key=lambda r: r["total_s"])
+        base = min((baseline(layers, mesh) for _ in range(args.repeats)), key=lambda r: r["total_s"])
+        rows.append(
+            {
+                "layers": layers,
+                "spmd_expand": mine,
+                "baseline_dtensor_retrace": base,
+                "ratio_total": base["total_s"] / mine["total_s"],
+                "ratio_expand_only": base["total_s"] / mine["expand_s"],
+            }
+        )
+    for prev, row in zip(rows, rows[1:]):
+        factor = row["layers"] / prev["layers"]
+        row["growth_per_doubling_total"] = (row["spmd_expand"]["total_s"] / prev["spmd_expand"]["total_s"]) ** (1 / max(factor.bit_length() - 1, 1))
+        row["growth_per_doubling_expand"] = (row["spmd_expand"]["expand_s"] / prev["spmd_expand"]["expand_s"]) ** (1 / max(factor.bit_length() - 1, 1))
+    print(json.dumps({"world_size": WORLD, "batch": BATCH, "block": BLOCK, "results": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""``spmd-expand`` command line: ``train`` (the main job). Later issues add ``dump`` and ``diff``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+from typing import Optional, Sequence
+
+from .train import PLANS, TrainConfig, train_worker
+
+__all__ = ["main"]
+
+
+def _train_parser(sub: argparse._SubParsersAction) -> None:
+    defaults = TrainConfig()
+    p = sub.add_parser(
+        "train",
+        help="train a character-level GPT under a parallel plan and check parity with one device",
+        description="Train a character-level GPT on real text (default: the installed torch package's "
+        "Python sources) under a parallel plan on W ranks: W local gloo processes on CPU, or the ranks "
+        "of a torchrun launch (NCCL when CUDA is present). Ends with a parity line: the largest "
+        "parameter difference from the same steps run on one process over the global batch.",
+    )
+    p.add_argument("--plan", choices=PLANS, default=defaults.plan)
+    p.add_argument("--world-size", type=int, default=2, help="local ranks to spawn (ignored under torchrun)")
+    p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="global batch (sequences per step)")
+    p.add_argument("--block-size", type=int, default=defaults.block_size, help="sequence length in characters")
+    p.add_argument("--layers", dest="n_layer", type=int, default=defaults.n_layer)
+    p.add_argument("--heads", dest="n_head", type=int, default=defaults.n_head)
+    p.add_argument("--embd", dest="n_embd", type=int, default=defaults.n_embd)
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--data", default=None, help="text file or folder (default: torch's own .py sources)")
+    p.add_argument("--max-chars", type=int, default=defaults.max_chars)
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--lower", choices=("inductor", "eager"), default=defaults.lower)
+    p.add_argument("--parity-steps", type=int, default=defaults.parity_steps, help="steps replayed on one process (0: skip)")
+    p.add_argument("--json", metavar="PATH", help="also write the run summary as JSON")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from .launch import init_from_env, is_distributed_launch, run_local
+
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
+    if cfg.parity_steps > cfg.steps:
+        cfg.parity_steps = cfg.steps
+    if is_distributed_launch():
+        rank, world = init_from_env()
+        summary = train_worker(rank, world, cfg)
+        if rank != 0:
+            return 0
+    else:
+        summary = run_local(train_worker, args.world_size, cfg, timeout_s=3600)[0]
+    _report(summary, cfg)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0
+
+
+def _report(summary: dict, cfg: TrainConfig) -> None:
+    losses = summary["losses"]
+    per_kind = ", ".join(f"{v['count']} {k} ({v['bytes'] / 2**20:.2f} MiB)" for k, v in summary["collectives_per_step"].items())
+    print(f"plan {cfg.plan}, {summary['world_size']} ranks, lower={cfg.lower}: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
+    print(f"compile {summary['compile_seconds']:.1f} s; {summary['tokens_per_second']:,.0f} tokens/s after compile")
+    print(f"collectives per step: {per_kind or 'none'}")
+    if "parity_max_abs_diff" in summary:
+        diff = summary["parity_max_abs_diff"]
+        verdict = "OK" if diff <= 1e-4 else "MISMATCH"
+        print(
+            f"parity: first {cfg.parity_steps} steps on one process over the global batch, "
+            f"max |param diff| = {diff:.2e} ({verdict})"
+        )
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="spmd-expand", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        return _run_train(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

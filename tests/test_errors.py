@@ -1,0 +1,208 @@
+"""User-facing errors: one family (``spmd.SpmdError``), messages that say what, where and how to fix.
+
+Tracing-only, on a fake 4-rank mesh.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema
+
+import spmd_expand as spmd
+from spmd_expand.models import MLP
+
+aten = torch.ops.aten
+
+
+def mse_step(model, optimizer, x):
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+class Bucketize(nn.Module):
+    """Uses ``torch.searchsorted``, for which DTensor has no sharding rule (torch 2.13)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+        self.register_buffer("edges", torch.tensor([-1.0, 0.0, 1.0]))
+
+    def forward(self, x):
+        h = self.fc(x)
+        bins = torch.searchsorted(self.edges, h.detach())
+        return h * bins
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.fc(x)
+        return self.fc(-x)
+
+
+def ddp(mesh, fn=mse_step, **kwargs):
+    return spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager", **kwargs)(fn)
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_error_hierarchy():
+    for cls in (spmd.TraceError, spmd.PlanError, spmd.UnsupportedOpError, spmd.PlacementError):
+        assert issubclass(cls, spmd.SpmdError)
+    assert issubclass(spmd.SpmdError, Exception)
+
+
+def test_searchsorted_really_has_no_dtensor_rule(fake_mesh):
+    """Precondition of the next test: DTensor itself cannot place aten.searchsorted.Tensor."""
+    prop = DTensor._op_dispatcher.sharding_propagator
+
+    def s(shape, placements):
+        stride = tuple(torch.empty(shape).stride())
+        return DTensorSpec(fake_mesh, placements, tensor_meta=TensorMeta(torch.Size(shape), stride, torch.float32))
+
+    schema = OpSchema(aten.searchsorted.Tensor, (s((3,), (Replicate(),)), s((8, 4), (Shard(0),))), {})
+    with pytest.raises(NotImplementedError):
+        prop.propagate_op_sharding(schema)
+
+
+def test_unsupported_op_names_op_node_source_and_placements(fake_mesh):
+    model = Bucketize()
+    step = ddp(fake_mesh)
+    with pytest.raises(spmd.UnsupportedOpError) as info:
+        step(model, sgd(model), torch.randn(2, 16))
+    assert isinstance(info.value, spmd.SpmdError)
+    msg = str(info.value)
+
+    assert "searchsorted" in msg
+    assert re.search(r"aten\.searchsorted\.Tensor", msg), msg
+    # The graph node.
+    assert re.search(r"node:\s+searchsorted\w*", msg), msg
+    # The user's source line: this file, the line number and the text of the call in forward().
+    lines, first = inspect.getsourcelines(Bucketize.forward)
+    offset = next(i for i, line in enumerate(lines) if "torch.searchsorted" in line)
+    assert os.path.basename(__file__) in msg, msg
+    assert f"line {first + offset}" in msg, msg
+    assert "bins = torch.searchsorted(self.edges, h.detach())" in msg, msg
+    # The input placements: the replicated buffer and the batch-sharded activations.
+    assert "Replicate()" in msg and "Shard(dim=0)" in msg, msg
+    # And what to do.
+    assert "fix" in msg.lower()
+
+
+def test_two_modules_rejected(fake_mesh):
+    def step(model, other, optimizer, x):
+        loss = (model(x) + other(x)).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    a, b = MLP(), MLP()
+    compiled = ddp(fake_mesh, step)
+    with pytest.raises(spmd.SpmdError) as info:
+        compiled(a, b, torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1), torch.randn(2, 16))
+    assert isinstance(info.value, spmd.TraceError)
+    assert "exactly one nn.Module" in str(info.value)
+    assert "found 2" in str(info.value)
+
+
+def test_two_optimizers_rejected(fake_mesh):
+    def step(model, opt1, opt2, x):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt1.step()
+        opt2.step()
+        return loss
+
+    model = MLP()
+    compiled = ddp(fake_mesh, step)
+    with pytest.raises(spmd.SpmdError) as info:
+        compiled(model, torch.optim.SGD(model.fc1.parameters(), lr=0.1), torch.optim.SGD(model.fc2.parameters(), lr=0.1),
+                 torch.randn(2, 16))
+    assert isinstance(info.value, spmd.TraceError)
+    msg = str(info.value)
+    assert "at most one torch.optim.Optimizer" in msg
+    assert "found 2 optimizers" in msg
+
+
+def test_no_module_rejected(fake_mesh):
+    def step(x):
+        return x * 2
+
+    with pytest.raises(spmd.TraceError, match="exactly one nn.Module"):
+        ddp(fake_mesh, step)(torch.randn(2, 16))
+
+
+def test_data_dependent_control_flow(fake_mesh):
+    model = Branchy()
+    with pytest.raises(spmd.TraceError) as info:
+        ddp(fake_mesh)(model, sgd(model), torch.randn(2, 16))
+    msg = str(info.value)
+    assert "data-dependent" in msg, msg
+    assert "torch.where" in msg, msg
+
+
+def test_returning_python_number_is_a_trace_error(fake_mesh):
+    def step(model, optimizer, x):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        return 1.5 * 2, loss
+
+    model = MLP()
+    with pytest.raises(spmd.TraceError, match="returned a float"):
+        ddp(fake_mesh, step)(model, sgd(model), torch.randn(2, 16))
+
+
+def test_plan_keys_must_match_mesh_dim_names(fake_mesh):
+    named = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    model = MLP()
+    step = spmd.compile(mesh=named, plan={"tp": spmd.DDP()}, lower="eager")(mse_step)
+    with pytest.raises(spmd.PlanError) as info:
+        step(model, sgd(model), torch.randn(2, 16))
+    msg = str(info.value)
+    assert "tp" in msg and "dp" in msg, msg
+
+
+def test_plan_dict_on_unnamed_mesh(fake_mesh):
+    model = MLP()
+    step = spmd.compile(mesh=fake_mesh, plan={"dp": spmd.DDP()}, lower="eager")(mse_step)
+    with pytest.raises(spmd.PlanError):
+        step(model, sgd(model), torch.randn(2, 16))
+
+
+def test_plan_of_wrong_type(fake_mesh):
+    model = MLP()
+    step = spmd.compile(mesh=fake_mesh, plan="ddp", lower="eager")(mse_step)
+    with pytest.raises(spmd.PlanError):
+        step(model, sgd(model), torch.randn(2, 16))
+
+
+def test_bogus_lowering(fake_mesh):
+    with pytest.raises(spmd.SpmdError, match="bogus"):
+        spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="bogus")(mse_step)
+
+
+def test_ignored_module_not_in_model(fake_mesh):
+    model = MLP()
+    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(ignored_modules=(nn.Linear(2, 2),)), lower="eager")(mse_step)
+    with pytest.raises(spmd.PlanError):
+        step(model, sgd(model), torch.randn(2, 16))
