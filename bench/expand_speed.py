@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import time
 
 import torch
@@ -85,7 +86,11 @@ def baseline(layers: int, mesh) -> dict:
         return loss.to_local(), [p.to_local() for p in dparams.values()]
 
     start = time.perf_counter()
-    gm = make_fx(local_step)(params, states, idx)
+    # Same optimizer code path as spmd_expand's trace: capturable (tensor `step`, no .item()).
+    for group in optimizer.param_groups:
+        group["capturable"] = True
+    with torch.compiler._compile_session_context():
+        gm = make_fx(local_step)(params, states, idx)
     return {"nodes": len(gm.graph.nodes), "total_s": time.perf_counter() - start}
 
 
@@ -110,9 +115,10 @@ def main() -> None:
             }
         )
     for prev, row in zip(rows, rows[1:]):
-        factor = row["layers"] / prev["layers"]
-        row["growth_per_doubling_total"] = (row["spmd_expand"]["total_s"] / prev["spmd_expand"]["total_s"]) ** (1 / max(factor.bit_length() - 1, 1))
-        row["growth_per_doubling_expand"] = (row["spmd_expand"]["expand_s"] / prev["spmd_expand"]["expand_s"]) ** (1 / max(factor.bit_length() - 1, 1))
+        doublings = math.log2(row["layers"] / prev["layers"])
+        for key in ("total_s", "expand_s"):
+            growth = row["spmd_expand"][key] / prev["spmd_expand"][key]
+            row[f"growth_per_doubling_{key[:-2]}"] = growth ** (1 / doublings)
     print(json.dumps({"world_size": WORLD, "batch": BATCH, "block": BLOCK, "results": rows}, indent=2))
 
 

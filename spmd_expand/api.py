@@ -180,7 +180,8 @@ class CompiledStep:
 
         clock = time.perf_counter()
         out_placements = _state_output_placements(traced, model, self.mesh, self._resolved)
-        propagate(traced, self.mesh, placements, out_placements, lambda fqn: self._resolved.grad_placements(fqn, dict(model.named_parameters())[fqn]))
+        params = dict(model.named_parameters())
+        propagate(traced, self.mesh, placements, out_placements, lambda fqn: self._resolved.grad_placements(fqn, params[fqn]))
         seconds["propagate"] = time.perf_counter() - clock
 
         clock = time.perf_counter()

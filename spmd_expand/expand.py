@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .dsymint import DSymInt, local_strides
@@ -101,10 +102,9 @@ class _Expander:
         for node in self.global_gm.graph.nodes:
             handler = getattr(self, node.op)
             handler(node)
-        gm = fx.GraphModule(self.attrs, self.graph)
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-        return gm
+        self.graph.eliminate_dead_code()
+        # Lazy: Python code is generated on first call, so passes and Inductor never pay for it.
+        return _LazyGraphModule(self.attrs, self.graph)
 
     def placeholder(self, node: fx.Node) -> None:
         new = self.graph.placeholder(node.name)

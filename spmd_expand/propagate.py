@@ -25,7 +25,7 @@ from torch.distributed.tensor._op_schema import OpSchema
 from . import rules
 from .dsymint import SYM_ARITHMETIC, SYM_SOURCE_OPS, DSymInt, apply_arithmetic, from_size_node
 from .errors import PlacementError, UnsupportedOpError, node_error
-from .spec import NodeSharding, local_shape, replicate, tensor_meta, tensor_spec
+from .spec import NodeSharding, local_shape, replicate, spec_with_meta, tensor_meta, tensor_spec
 from .trace import TracedStep
 
 __all__ = ["propagate"]
@@ -34,7 +34,7 @@ __all__ = ["propagate"]
 def _with_meta(out: Any, val: Any, mesh: DeviceMesh) -> Any:
     """Attach global tensor metadata from the traced value to DTensor's output spec(s)."""
     if isinstance(out, DTensorSpec):
-        return DTensorSpec(mesh, out.placements, tensor_meta=tensor_meta(val))
+        return spec_with_meta(mesh, out.placements, tensor_meta(val))
     if isinstance(out, (tuple, list)):
         vals = val if isinstance(val, (tuple, list)) else [None] * len(out)
         return type(out)(_with_meta(o, v, mesh) if v is not None else None for o, v in zip(out, vals))
@@ -72,7 +72,7 @@ class _Propagator:
         wanted = []
         for arg, placements in zip(node.args[0], self.output_placements):
             spec = self.output_of(arg)
-            wanted.append(DTensorSpec(self.mesh, tuple(placements), tensor_meta=spec.tensor_meta))
+            wanted.append(spec_with_meta(self.mesh, placements, spec.tensor_meta))
         return NodeSharding(inputs=tuple(wanted))
 
     def input_specs(self, node: fx.Node) -> list[Optional[DTensorSpec]]:
@@ -145,7 +145,7 @@ class _Propagator:
             ]
             # DTensor leaves tensor_meta off some suggested specs; the tensor is the same as before.
             wanted = [
-                DTensorSpec(self.mesh, w.placements, tensor_meta=c.tensor_meta) if w is not None else None
+                spec_with_meta(self.mesh, w.placements, c.tensor_meta) if w is not None and w.tensor_meta is None else w
                 for w, c in zip(wanted, current)
             ]
         else:

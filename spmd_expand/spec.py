@@ -47,9 +47,23 @@ def tensor_meta(val: torch.Tensor) -> TensorMeta:
     )
 
 
+# Building a DTensorSpec is slow (its __setattr__ validates every field), and a model of repeated
+# layers asks for the same few specs thousands of times; specs are immutable, so they are shared.
+_SPECS: dict[tuple, DTensorSpec] = {}
+
+
+def spec_with_meta(mesh: DeviceMesh, placements: Sequence[Placement], meta: TensorMeta) -> DTensorSpec:
+    """The (shared) ``DTensorSpec`` of a global tensor with ``meta`` and ``placements`` on ``mesh``."""
+    key = (id(mesh), tuple(placements), tuple(meta.shape), meta.stride, meta.dtype)
+    spec = _SPECS.get(key)
+    if spec is None or spec.mesh is not mesh:
+        spec = _SPECS[key] = DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+    return spec
+
+
 def tensor_spec(mesh: DeviceMesh, placements: Sequence[Placement], val: torch.Tensor) -> DTensorSpec:
     """A ``DTensorSpec`` for a global tensor ``val`` (fake, possibly with symbolic sizes)."""
-    return DTensorSpec(mesh, tuple(placements), tensor_meta=tensor_meta(val))
+    return spec_with_meta(mesh, placements, tensor_meta(val))
 
 
 def local_offset(spec: DTensorSpec) -> list[int]:
