@@ -179,7 +179,7 @@ class CompiledStep:
         seconds["trace"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
-        out_placements = _state_output_placements(traced, model, self.mesh, self._resolved)
+        out_placements = _output_placements(traced, model, self.mesh, self._resolved)
         params = dict(model.named_parameters())
         propagate(traced, self.mesh, placements, out_placements, lambda fqn: self._resolved.grad_placements(fqn, params[fqn]))
         seconds["propagate"] = time.perf_counter() - clock
@@ -244,7 +244,8 @@ class CompiledStep:
         return pytree.tree_unflatten(filled, traced.return_spec)
 
 
-def _state_output_placements(traced: TracedStep, model: nn.Module, mesh: DeviceMesh, plan: ResolvedPlan) -> list:
+def _output_placements(traced: TracedStep, model: nn.Module, mesh: DeviceMesh, plan: ResolvedPlan) -> list:
+    """Placements each graph output must end with: returns full, grads and new states per the plan."""
     params = dict(model.named_parameters())
     result = []
     for role, node in zip(traced.outputs, traced.graph_module.graph.output_node().args[0]):
@@ -253,9 +254,7 @@ def _state_output_placements(traced: TracedStep, model: nn.Module, mesh: DeviceM
         elif role.kind == "grad":
             result.append(plan.grad_placements(role.fqn, params[role.fqn]) or replicate(mesh))
         else:
-            shape = tuple(int(s) for s in node.meta["val"].shape)
-            p = params[role.fqn]
-            result.append(tuple(p.placements) if shape == tuple(p.shape) else replicate(mesh))
+            result.append(plan.state_placements(role.fqn, params[role.fqn], node.meta["val"]))
     return result
 
 
