@@ -16,16 +16,16 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
-from .errors import PlanError, SpmdError, TraceError
+from .errors import SpmdError, TraceError
 from .expand import RedistributeCache, expand
 from .lower import LOWERINGS, lower
 from .plans import Plan, ResolvedPlan, resolve_plan
 from .propagate import propagate
 from .spec import replicate
-from .trace import InputRole, OutputRole, TensorSpec, TracedStep, trace_step
+from .trace import InputRole, TensorSpec, TracedStep, trace_step
 
 __all__ = ["compile", "CompiledStep", "Override", "StepArtifacts"]
 

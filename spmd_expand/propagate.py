@@ -14,7 +14,6 @@ from __future__ import annotations
 import operator
 from typing import Any, Callable, Optional
 
-import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh

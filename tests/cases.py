@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 import spmd_expand as spmd
 from spmd_expand.data import shard
-from spmd_expand.models import GPT, MLP, GPTConfig, build_gpt
+from spmd_expand.models import MLP, GPTConfig, build_gpt
 
 GLOBAL_BATCH = 8
 
@@ -40,6 +40,18 @@ def gpt_step(model, optimizer, idx, targets):
     return loss
 
 
+def mse_microbatch_step(model, optimizer, x, y=None):
+    """Gradient accumulation of a mean-square loss over 2 micro-batches, traced unrolled."""
+    total = 0.0
+    for xs in x.chunk(2):
+        loss = model(xs).pow(2).mean() / 2
+        loss.backward()
+        total = total + loss.detach()
+    optimizer.step()
+    optimizer.zero_grad()
+    return total
+
+
 def microbatch_step(model, optimizer, x, y):
     """Gradient accumulation over 2 micro-batches, traced unrolled."""
     total = 0.0
@@ -52,7 +64,7 @@ def microbatch_step(model, optimizer, x, y):
     return total
 
 
-def mse_step(model, optimizer, x):
+def mse_step(model, optimizer, x, y=None):
     loss = model(x).pow(2).mean()
     loss.backward()
     optimizer.step()
@@ -201,6 +213,14 @@ class ViewExpandModel(nn.Module):
         return g.pow(2).mean()
 
 
+def _scalar_step(model, optimizer, x):
+    loss = model(x)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
 @dataclass
 class Case:
     model: Callable[[], nn.Module]
@@ -233,21 +253,13 @@ CASES: dict[str, Case] = {
     "embedding_layer_norm": Case(EmbeddingLayerNorm, "adam_foreach", lambda g: (torch.randint(0, 32, (GLOBAL_BATCH, 6), generator=g), torch.randint(0, 4, (GLOBAL_BATCH,), generator=g)), cross_entropy_step),
     "full": Case(FullModel, "sgd", _xy, cross_entropy_step),
     "arange": Case(ArangeModel, "sgd", _xy, cross_entropy_step),
-    "sym_numel": Case(NumelModel, "sgd", _x, lambda m, o, x: _scalar_step(m, o, x)),
-    "stride": Case(StrideModel, "sgd", _x, lambda m, o, x: _scalar_step(m, o, x)),
-    "stack": Case(StackModel, "sgd", _x, lambda m, o, x: _scalar_step(m, o, x)),
-    "slice": Case(SliceModel, "sgd", _x, lambda m, o, x: _scalar_step(m, o, x)),
-    "cat100": Case(Cat100Model, "sgd", _x, lambda m, o, x: _scalar_step(m, o, x)),
-    "view_expand": Case(ViewExpandModel, "sgd", _x, lambda m, o, x: _scalar_step(m, o, x)),
+    "sym_numel": Case(NumelModel, "sgd", _x, _scalar_step),
+    "stride": Case(StrideModel, "sgd", _x, _scalar_step),
+    "stack": Case(StackModel, "sgd", _x, _scalar_step),
+    "slice": Case(SliceModel, "sgd", _x, _scalar_step),
+    "cat100": Case(Cat100Model, "sgd", _x, _scalar_step),
+    "view_expand": Case(ViewExpandModel, "sgd", _x, _scalar_step),
 }
-
-
-def _scalar_step(model, optimizer, x):
-    loss = model(x)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
 
 
 def _full(t):

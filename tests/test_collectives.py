@@ -13,8 +13,8 @@ import operator
 import pytest
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
+import cases
 import spmd_expand as spmd
 from spmd_expand.models import MLP
 
@@ -25,42 +25,10 @@ PARAM_SHAPES = sorted([(32, 16), (32,), (4, 32), (4,)])  # MLP(16, 32, 4)
 
 
 # ---------------------------------------------------------------- steps
-def ce_step(model, optimizer, x, y):
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
-
-
-def mse_step(model, optimizer, x, y):
-    loss = model(x).pow(2).mean()
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
-
-
-def ce_microbatch_step(model, optimizer, x, y):
-    total = 0.0
-    for xs, ys in zip(x.chunk(2), y.chunk(2)):
-        loss = F.cross_entropy(model(xs), ys) / 2
-        loss.backward()
-        total = total + loss.detach()
-    optimizer.step()
-    optimizer.zero_grad()
-    return total
-
-
-def mse_microbatch_step(model, optimizer, x, y):
-    total = 0.0
-    for xs in x.chunk(2):
-        loss = model(xs).pow(2).mean() / 2
-        loss.backward()
-        total = total + loss.detach()
-    optimizer.step()
-    optimizer.zero_grad()
-    return total
+ce_step = cases.cross_entropy_step
+mse_step = cases.mse_step
+ce_microbatch_step = cases.microbatch_step
+mse_microbatch_step = cases.mse_microbatch_step
 
 
 # ---------------------------------------------------------------- helpers

@@ -12,24 +12,19 @@ import re
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
 
+import cases
 import spmd_expand as spmd
 from spmd_expand.models import MLP
 
 aten = torch.ops.aten
 
 
-def mse_step(model, optimizer, x):
-    loss = model(x).pow(2).mean()
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
+mse_step = cases.mse_step
 
 
 class Bucketize(nn.Module):
