@@ -12,7 +12,7 @@ from . import ops  # noqa: F401  (registers spmd_expand::gradient)
 from .api import CompiledStep, Override, StepArtifacts, compile
 from .dsymint import DSymInt
 from .errors import PlacementError, PlanError, SpmdError, TraceError, UnsupportedOpError
-from .plans import DDP, ParallelStyle
+from .plans import DDP, FSDP, ParallelStyle
 
 __all__ = [
     "compile",
@@ -20,6 +20,7 @@ __all__ = [
     "StepArtifacts",
     "Override",
     "DDP",
+    "FSDP",
     "ParallelStyle",
     "DSymInt",
     "SpmdError",

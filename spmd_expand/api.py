@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
+from .annotate import output_placements, regather_for_backward
 from .errors import SpmdError, TraceError
 from .expand import RedistributeCache, expand
 from .lower import LOWERINGS, lower
@@ -179,9 +180,19 @@ class CompiledStep:
         seconds["trace"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
-        out_placements = _output_placements(traced, model, self.mesh, self._resolved)
+        if self._resolved.reshard_after_forward:
+            regather_for_backward(traced.graph_module)
+        out_placements = output_placements(traced, model, self.mesh, self._resolved)
         params = dict(model.named_parameters())
-        propagate(traced, self.mesh, placements, out_placements, lambda fqn: self._resolved.grad_placements(fqn, params[fqn]))
+        plan = self._resolved
+        propagate(
+            traced,
+            self.mesh,
+            placements,
+            out_placements,
+            grad_placements=lambda fqn: plan.grad_placements(fqn, params[fqn]),
+            compute_placements=lambda fqn: plan.compute_placements(fqn, params[fqn]),
+        )
         seconds["propagate"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
@@ -242,20 +253,6 @@ class CompiledStep:
         values = iter(returns)
         filled = [next(values) if is_tensor else None for is_tensor in traced.return_is_tensor]
         return pytree.tree_unflatten(filled, traced.return_spec)
-
-
-def _output_placements(traced: TracedStep, model: nn.Module, mesh: DeviceMesh, plan: ResolvedPlan) -> list:
-    """Placements each graph output must end with: returns full, grads and new states per the plan."""
-    params = dict(model.named_parameters())
-    result = []
-    for role, node in zip(traced.outputs, traced.graph_module.graph.output_node().args[0]):
-        if role.kind == "return":
-            result.append(replicate(mesh))
-        elif role.kind == "grad":
-            result.append(plan.grad_placements(role.fqn, params[role.fqn]) or replicate(mesh))
-        else:
-            result.append(plan.state_placements(role.fqn, params[role.fqn], node.meta["val"]))
-    return result
 
 
 class _overrides:

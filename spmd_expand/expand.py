@@ -27,6 +27,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .dsymint import DSymInt, local_strides
+from .ops import GRADIENT, UNSHARD
 from .rules import SIZE_ARG
 from .spec import NodeSharding, local_offset, local_shape
 
@@ -75,13 +76,14 @@ class _Expander:
     def spmd(self, node: fx.Node) -> NodeSharding:
         return node.meta["spmd"]
 
-    def redistribute(self, node: fx.Node, dst: Optional[DTensorSpec]) -> fx.Node:
+    def redistribute(self, node: fx.Node, dst: Optional[DTensorSpec], reuse: bool = True) -> fx.Node:
+        """``node``'s local value with placements ``dst``; with ``reuse``, made at most once."""
         src = self.spmd(node).output
         local = self.local[node]
         if dst is None or not isinstance(src, DTensorSpec) or src.placements == dst.placements:
             return local
         key = (node, dst.placements)
-        if key not in self.redistributed:
+        if key not in self.redistributed or not reuse:
             sub = self.cache.get(src, dst)
             env: dict[fx.Node, Any] = {}
             result = None
@@ -131,9 +133,14 @@ class _Expander:
             new.meta["spmd"] = sharding
             self.local[node] = new
             return
-        if sharding.rank_local or node.target is torch.ops.spmd_expand.gradient.default:
+        if node.target is GRADIENT:
             # The gradient marker is the redistribution itself (or nothing, for rank-local gradients).
             self.local[node] = self.redistribute(node.args[0], None if sharding.rank_local else sharding.inputs[0])
+            return
+        if node.target is UNSHARD:
+            # Each unshard marker is its own gather point: a parameter re-gathered for backward
+            # (reshard_after_forward) must not reuse the forward's gathered copy.
+            self.local[node] = self.redistribute(node.args[0], sharding.inputs[0], reuse=False)
             return
 
         leaves, tree = pytree.tree_flatten((node.args, node.kwargs))

@@ -1,5 +1,8 @@
 """Custom ops that mark points of the traced step for later stages.
 
+``spmd_expand::unshard(param, fqn)`` marks where the module reads parameter ``fqn``; see
+:func:`unshard`.
+
 ``spmd_expand::gradient(grad, fqn)`` marks the gradient of parameter ``fqn`` as the optimizer reads it
 (after all micro-batches have accumulated into it). Propagation pins its output to the plan's gradient
 placement, so the reduction (all-reduce for DDP, reduce-scatter for FSDP) happens exactly there, once per
@@ -10,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gradient"]
+__all__ = ["gradient", "unshard", "GRADIENT", "UNSHARD"]
 
 
 @torch.library.custom_op("spmd_expand::gradient", mutates_args=())
@@ -25,3 +28,28 @@ def _(grad: torch.Tensor, fqn: str) -> torch.Tensor:
 
 
 GRADIENT = torch.ops.spmd_expand.gradient.default
+
+
+@torch.library.custom_op("spmd_expand::unshard", mutates_args=())
+def unshard(param: torch.Tensor, fqn: str) -> torch.Tensor:
+    """Identity on ``param``, marking where the module reads parameter ``fqn``.
+
+    Propagation gives its output the plan's *compute* placement of the parameter (FSDP: replicated
+    over the data-parallel dim, i.e. an all-gather; DDP and tensor parallel: the storage placement,
+    i.e. nothing). Gradients flow through it unchanged to the stored parameter.
+    """
+    return param.clone()
+
+
+@unshard.register_fake
+def _(param: torch.Tensor, fqn: str) -> torch.Tensor:
+    return torch.empty_like(param)
+
+
+def _unshard_backward(ctx, grad: torch.Tensor):
+    return grad, None
+
+
+unshard.register_autograd(_unshard_backward)
+
+UNSHARD = torch.ops.spmd_expand.unshard.default

@@ -18,7 +18,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 from .errors import PlanError
 
-__all__ = ["ParallelStyle", "DDP", "Plan", "ResolvedPlan", "resolve_plan"]
+__all__ = ["ParallelStyle", "DDP", "FSDP", "Plan", "ResolvedPlan", "resolve_plan"]
 
 
 class ParallelStyle:
@@ -30,9 +30,16 @@ class ParallelStyle:
     def batch_placement(self, tensor: torch.Tensor) -> Placement:
         raise NotImplementedError
 
+    def compute_placement(self, fqn: str, param: torch.Tensor) -> Placement:
+        """Where the module reads the parameter; by default where it is stored."""
+        return self.param_placement(fqn, param)
+
     def reduces_grad(self, fqn: str) -> bool:
         """False for parameters whose gradients stay rank-local (e.g. DDP's ignored modules)."""
         return True
+
+    # Whether gathered parameters are freed after forward and gathered again for backward.
+    reshard_after_forward: bool = False
 
     def bind(self, model: nn.Module) -> None:
         """Resolve module references against the model being compiled."""
@@ -59,8 +66,27 @@ def _ignored_fqns(model: nn.Module, ignored: Iterable[Union[nn.Module, str]]) ->
     return frozenset(fqns)
 
 
+class _DataParallel(ParallelStyle):
+    """Batch split on ``batch_dim``; parameters of ``ignored_modules`` keep rank-local gradients."""
+
+    batch_dim: int
+    ignored_modules: tuple
+    _ignored: frozenset
+
+    def bind(self, model: nn.Module) -> None:
+        self._ignored = _ignored_fqns(model, self.ignored_modules)
+
+    def batch_placement(self, tensor: torch.Tensor) -> Placement:
+        if tensor.dim() <= self.batch_dim:
+            return Replicate()
+        return Shard(self.batch_dim)
+
+    def reduces_grad(self, fqn: str) -> bool:
+        return fqn not in self._ignored
+
+
 @dataclass
-class DDP(ParallelStyle):
+class DDP(_DataParallel):
     """Data parallel (``torch.nn.parallel.DistributedDataParallel`` semantics).
 
     Parameters and optimizer states are ``Replicate()``; batch tensors are ``Shard(batch_dim)``; each
@@ -78,19 +104,39 @@ class DDP(ParallelStyle):
     ignored_modules: tuple = ()
     _ignored: frozenset = field(default=frozenset(), init=False, repr=False)
 
-    def bind(self, model: nn.Module) -> None:
-        self._ignored = _ignored_fqns(model, self.ignored_modules)
-
     def param_placement(self, fqn: str, param: torch.Tensor) -> Placement:
         return Replicate()
 
-    def batch_placement(self, tensor: torch.Tensor) -> Placement:
-        if tensor.dim() <= self.batch_dim:
-            return Replicate()
-        return Shard(self.batch_dim)
 
-    def reduces_grad(self, fqn: str) -> bool:
-        return fqn not in self._ignored
+@dataclass
+class FSDP(_DataParallel):
+    """Fully sharded data parallel (ZeRO-3, ``torch.distributed.fsdp.fully_shard`` semantics).
+
+    Parameters, gradients and optimizer states are ``Shard(0)`` (dims that do not divide by the mesh
+    size are split unevenly, as DTensor does); each parameter is all-gathered where the module reads
+    it, gradients are reduce-scattered once per step, and the optimizer updates only the local shard.
+    Batch tensors are ``Shard(batch_dim)``.
+
+    Args:
+        batch_dim: dim of every batch tensor that is split across ranks.
+        reshard_after_forward: free the gathered parameters after forward and all-gather them again
+            for backward (less memory, one more all-gather per parameter); ``False`` keeps them.
+        ignored_modules: modules (objects or FQNs) whose parameters are not sharded: they stay
+            replicated and their gradients rank-local, as FSDP's ``ignored_params``.
+    """
+
+    batch_dim: int = 0
+    reshard_after_forward: bool = True
+    ignored_modules: tuple = ()
+    _ignored: frozenset = field(default=frozenset(), init=False, repr=False)
+
+    def param_placement(self, fqn: str, param: torch.Tensor) -> Placement:
+        if fqn in self._ignored or param.dim() == 0:
+            return Replicate()
+        return Shard(0)
+
+    def compute_placement(self, fqn: str, param: torch.Tensor) -> Placement:
+        return Replicate()
 
 
 Plan = Union[ParallelStyle, Mapping[str, ParallelStyle]]
@@ -108,6 +154,13 @@ class ResolvedPlan:
 
     def batch_placements(self, tensor: torch.Tensor) -> tuple[Placement, ...]:
         return tuple(s.batch_placement(tensor) for s in self.styles)
+
+    def compute_placements(self, fqn: str, param: torch.Tensor) -> tuple[Placement, ...]:
+        return tuple(s.compute_placement(fqn, param) for s in self.styles)
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return any(s.reshard_after_forward for s in self.styles)
 
     def grad_placements(self, fqn: str, param: torch.Tensor) -> tuple[Placement, ...] | None:
         """Placements a gradient is reduced to, or None where it stays rank-local on some mesh dim."""

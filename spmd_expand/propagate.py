@@ -41,9 +41,10 @@ def _with_meta(out: Any, val: Any, mesh: DeviceMesh) -> Any:
 
 
 class _Propagator:
-    def __init__(self, traced, mesh, input_placements, output_placements, grad_placements):
+    def __init__(self, traced, mesh, input_placements, output_placements, grad_placements, compute_placements):
         self.traced = traced
         self.grad_placements = grad_placements
+        self.compute_placements = compute_placements
         self.mesh = mesh
         self.input_placements = input_placements
         self.output_placements = output_placements
@@ -158,6 +159,7 @@ def propagate(
     input_placements: list,
     output_placements: list,
     grad_placements: Callable[[str], Optional[tuple]],
+    compute_placements: Callable[[str], tuple],
 ) -> None:
     """Annotate every node of ``traced.graph_module`` with ``node.meta["spmd"]`` (a :class:`NodeSharding`).
 
@@ -167,9 +169,10 @@ def propagate(
         input_placements: a placement tuple (one per mesh dim) for each graph input, in order.
         output_placements: the placement tuple each graph output must end with.
         grad_placements: parameter FQN -> placements its gradient is reduced to (None: rank-local).
+        compute_placements: parameter FQN -> placements the module reads it with.
 
     Raises:
         UnsupportedOpError: an op with no rule in DTensor or :mod:`spmd_expand.rules`.
         PlacementError: DTensor cannot satisfy an op with the placements that reach it.
     """
-    _Propagator(traced, mesh, input_placements, output_placements, grad_placements).run()
+    _Propagator(traced, mesh, input_placements, output_placements, grad_placements, compute_placements).run()

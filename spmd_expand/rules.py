@@ -1,6 +1,7 @@
 """Sharding rules spmd_expand adds where torch's DTensor has none, all in this one module.
 
 * ``spmd_expand::gradient``: the gradient marker; its output takes the plan's gradient placement.
+* ``spmd_expand::unshard``: the parameter-read marker; its output takes the plan's compute placement.
 * Factory ops (``zeros``, ``ones``, ``full``, ``empty``, ``arange``, ...) have no tensor input to take a
   placement from. Their sizes decide: a size that is a sharded :class:`~spmd_expand.dsymint.DSymInt`
   (e.g. the batch size) makes that dim ``Shard`` on the DSymInt's mesh dims; otherwise ``Replicate``.
@@ -36,7 +37,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .dsymint import DSymInt
-from .ops import GRADIENT
+from .ops import GRADIENT, UNSHARD
 from .spec import NodeSharding, tensor_spec
 
 __all__ = ["lookup", "SIZE_ARG"]
@@ -107,6 +108,13 @@ def gradient_rule(node: fx.Node, prop):
         return NodeSharding(inputs=(grad_spec, None), output=out, rank_local=True)
     target = DTensorSpec(prop.mesh, tuple(wanted), tensor_meta=grad_spec.tensor_meta)
     return NodeSharding(inputs=(target, None), output=target)
+
+
+def unshard_rule(node: fx.Node, prop):
+    """The parameter, as stored, brought to the plan's compute placement (FSDP: all-gathered)."""
+    stored = prop.output_of(node.args[0])
+    out = DTensorSpec(prop.mesh, tuple(prop.compute_placements(node.args[1])), tensor_meta=stored.tensor_meta)
+    return NodeSharding(inputs=(out, None), output=out)
 
 
 def factory_rule(node: fx.Node, prop):
@@ -279,6 +287,7 @@ _register_dtensor_strategies()
 
 _RULES: dict[Any, Callable] = {
     GRADIENT: gradient_rule,
+    UNSHARD: unshard_rule,
     aten._fused_adam.default: _fused_optimizer_rule(5),
     aten._fused_adamw.default: _fused_optimizer_rule(5),
     aten._fused_sgd.default: _fused_optimizer_rule(3),

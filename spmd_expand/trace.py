@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from torch.nn.utils import stateless
+from torch.overrides import TorchFunctionMode
 
 from . import ops
 from .errors import TraceError
@@ -170,6 +171,34 @@ def _optimizer_on(
                 group["capturable"] = cap
 
 
+BACKWARD_KEY = "spmd_backward"
+
+
+def backward_index(node: fx.Node) -> Optional[int]:
+    """1-based index of the ``backward()`` call that created ``node``; None outside backward."""
+    return (node.meta.get("custom") or {}).get(BACKWARD_KEY)
+
+
+class _MarkBackward(TorchFunctionMode):
+    """Tags every node recorded inside a ``backward()`` call with that call's index.
+
+    Needs ``fx_traceback.preserve_node_meta()``; the tag is ``node.meta["custom"]["spmd_backward"]``
+    and survives functionalization. Later stages use it to tell forward from backward uses.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.backward or func is torch.autograd.backward:
+            self.calls += 1
+            with fx_traceback.annotate({BACKWARD_KEY: self.calls}):
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
 def _fake(fake_mode: FakeTensorMode, spec: TensorSpec) -> torch.Tensor:
     # Only metadata is read; on CPU untouched pages of an empty tensor cost no memory.
     template = torch.empty(spec.shape, dtype=spec.dtype, device=spec.device)
@@ -237,7 +266,10 @@ def trace_step(
             new_leaves[pos] = batch[i]
         call_args, call_kwargs = pytree.tree_unflatten(new_leaves, tree)
 
-        with stateless._reparametrize_module(model, {**params, **buffers}, tie_weights=True), _optimizer_on(
+        # The module reads each parameter through an `unshard` marker; the optimizer updates the
+        # stored parameter itself.
+        used = {fqn: ops.unshard(p, fqn) for fqn, p in params.items()}
+        with stateless._reparametrize_module(model, {**used, **buffers}, tie_weights=True), _optimizer_on(
             optimizer, swap, states, fqn_of
         ):
             result = fn(*call_args, **call_kwargs)
@@ -273,7 +305,8 @@ def trace_step(
     try:
         with torch.compiler._compile_session_context(), torch.enable_grad():
             # _compile_session_context: optimizers take their traceable paths (tensor `step`, no .item()).
-            autograd_graph = make_fx(step, tracing_mode="symbolic", record_stack_traces=True)(*fakes)
+            with fx_traceback.preserve_node_meta(), _MarkBackward():
+                autograd_graph = make_fx(step, tracing_mode="symbolic", record_stack_traces=True)(*fakes)
             detached = [t.detach() for t in fakes]
 
             def replay(*flat: torch.Tensor) -> list[torch.Tensor]:

@@ -247,6 +247,8 @@ GPT_CONFIG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd
 CASES: dict[str, Case] = {
     **{f"mlp_{name}": Case(MLP, name, _xy, cross_entropy_step) for name in OPTIMIZERS},
     "mlp_microbatch": Case(MLP, "adamw_foreach", _xy, microbatch_step),
+    # 33 and 5 rows do not divide by 2 or 4: uneven Shard(0) under FSDP.
+    "mlp_uneven": Case(lambda: MLP(16, 33, 5), "adamw_foreach", lambda g: (torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randint(0, 5, (GLOBAL_BATCH,), generator=g)), cross_entropy_step),
     "gpt_adamw": Case(lambda: build_gpt(GPT_CONFIG, seed=0), "adamw_foreach", _tokens, gpt_step),
     "log_softmax": Case(LogSoftmaxModel, "sgd", _xy, nll_step),
     "nll_loss": Case(NllLossModel, "sgd_momentum", _xy, nll_step),
@@ -266,13 +268,20 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def run_case(case: Case, mesh, rank: int, world: int, steps: int, lower: str) -> dict:
+PLANS: dict[str, Callable[[], object]] = {
+    "ddp": spmd.DDP,
+    "fsdp": spmd.FSDP,
+    "fsdp_keep": lambda: spmd.FSDP(reshard_after_forward=False),
+}
+
+
+def run_case(case: Case, mesh, rank: int, world: int, steps: int, lower: str, plan: str = "ddp") -> dict:
     torch.manual_seed(0)
     model = case.model()
     reference = copy.deepcopy(model)
     optimizer = OPTIMIZERS[case.optimizer](model.parameters())
     ref_optimizer = OPTIMIZERS[case.optimizer](reference.parameters())
-    step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower=lower)(case.step)
+    step = spmd.compile(mesh=mesh, plan=PLANS[plan](), lower=lower)(case.step)
     losses, ref_losses = [], []
     for i in range(steps):
         batch = case.batch(torch.Generator().manual_seed(100 + i))
@@ -290,7 +299,7 @@ def run_case(case: Case, mesh, rank: int, world: int, steps: int, lower: str) ->
     }
 
 
-def run_cases(rank: int, world: int, names: list[str], steps: int = 3, lower: str = "eager") -> dict:
+def run_cases(rank: int, world: int, names: list[str], steps: int = 3, lower: str = "eager", plan: str = "ddp") -> dict:
     """Worker: run each named case on this rank; errors are returned per case, not raised."""
     import traceback
 
@@ -298,7 +307,7 @@ def run_cases(rank: int, world: int, names: list[str], steps: int = 3, lower: st
     results = {}
     for name in names:
         try:
-            results[name] = run_case(CASES[name], mesh, rank, world, steps, lower)
+            results[name] = run_case(CASES[name], mesh, rank, world, steps, lower, plan)
         except Exception:  # noqa: BLE001 - reported per case by the test
             results[name] = {"error": traceback.format_exc()}
     return results
