@@ -27,7 +27,7 @@ from .models import GPTConfig, build_gpt
 
 __all__ = ["TrainConfig", "train_worker", "PLANS"]
 
-PLANS = ("ddp",)
+PLANS = ("ddp", "fsdp", "fsdp-keep")
 
 
 @dataclass
@@ -52,9 +52,15 @@ class TrainConfig:
 
 
 def make_plan(name: str) -> spmd.ParallelStyle:
-    if name == "ddp":
-        return spmd.DDP()
-    raise spmd.PlanError(f"--plan {name!r} is not one of {PLANS}")
+    """``ddp``; ``fsdp`` (reshard after forward); ``fsdp-keep`` (keep gathered parameters)."""
+    plans = {
+        "ddp": spmd.DDP,
+        "fsdp": spmd.FSDP,
+        "fsdp-keep": lambda: spmd.FSDP(reshard_after_forward=False),
+    }
+    if name not in plans:
+        raise spmd.PlanError(f"--plan {name!r} is not one of {PLANS}")
+    return plans[name]()
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,23 @@ import json
 from spmd_expand.cli import main
 
 
+def test_train_fsdp_reports_parity(tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("class A:\n    pass\n" * 400)
+    out = tmp_path / "summary.json"
+    code = main(
+        ["train", "--plan", "fsdp", "--world-size", "2", "--steps", "4", "--layers", "1", "--embd", "32",
+         "--block-size", "16", "--batch-size", "8", "--lower", "eager", "--data", str(corpus),
+         "--parity-steps", "2", "--no-progress", "--json", str(out)]
+    )
+    assert code == 0
+    assert "(OK)" in capsys.readouterr().out
+    summary = json.loads(out.read_text())
+    assert summary["parity_max_abs_diff"] < 1e-4
+    kinds = summary["collectives_per_step"]
+    assert kinds["reduce_scatter"]["count"] > 0 and kinds["all_gather"]["count"] > kinds["reduce_scatter"]["count"]
+
+
 def test_train_ddp_reports_parity(tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("def f(x):\n    return x + 1\n" * 400)

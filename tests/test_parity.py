@@ -19,16 +19,30 @@ EAGER_W2 = list(cases.CASES)
 INDUCTOR_W2 = ["mlp_adamw_foreach", "mlp_sgd_momentum", "gpt_adamw"]
 EAGER_W4 = ["mlp_adamw_fused", "mlp_microbatch", "view_expand", "arange"]
 
+FSDP_W2 = [
+    "mlp_sgd_momentum",
+    "mlp_adam_foreach",
+    "mlp_adamw_foreach",
+    "mlp_adam_fused",
+    "mlp_adamw_fused",
+    "mlp_uneven",
+    "mlp_microbatch",
+    "gpt_adamw",
+]
+FSDP_KEEP_W2 = ["mlp_sgd_momentum", "mlp_adamw_fused", "mlp_uneven", "gpt_adamw"]
+FSDP_W4 = ["mlp_uneven", "mlp_adamw_foreach", "mlp_microbatch"]
+FSDP_INDUCTOR_W2 = ["mlp_uneven", "gpt_adamw"]
+
 
 @pytest.fixture(scope="module")
 def results():
     """Lazily run each (world size, lowering) configuration once for the whole module."""
-    memo: dict[tuple[int, str], list[dict]] = {}
+    memo: dict[tuple[int, str, str], list[dict]] = {}
 
-    def get(world: int, lower: str, names: list[str]) -> dict:
-        key = (world, lower)
+    def get(world: int, lower: str, names: list[str], plan: str = "ddp") -> dict:
+        key = (world, lower, plan)
         if key not in memo:
-            memo[key] = run_local(cases.run_cases, world, names, 3, lower, timeout_s=1200)
+            memo[key] = run_local(cases.run_cases, world, names, 3, lower, plan, timeout_s=1200)
         return memo[key]
 
     return get
@@ -61,3 +75,23 @@ def test_ddp_inductor_world2(results, name):
 @pytest.mark.parametrize("name", EAGER_W4)
 def test_ddp_eager_world4(results, name):
     check(results(4, "eager", EAGER_W4), name)
+
+
+@pytest.mark.parametrize("name", FSDP_W2)
+def test_fsdp_eager_world2(results, name):
+    check(results(2, "eager", FSDP_W2, "fsdp"), name)
+
+
+@pytest.mark.parametrize("name", FSDP_KEEP_W2)
+def test_fsdp_no_reshard_eager_world2(results, name):
+    check(results(2, "eager", FSDP_KEEP_W2, "fsdp_keep"), name)
+
+
+@pytest.mark.parametrize("name", FSDP_W4)
+def test_fsdp_eager_world4(results, name):
+    check(results(4, "eager", FSDP_W4, "fsdp"), name)
+
+
+@pytest.mark.parametrize("name", FSDP_INDUCTOR_W2)
+def test_fsdp_inductor_world2(results, name):
+    check(results(2, "inductor", FSDP_INDUCTOR_W2, "fsdp"), name)

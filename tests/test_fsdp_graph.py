@@ -1,0 +1,91 @@
+"""FSDP's expanded graph on the fake process group (W=4): which collectives, how many, on what."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import cases
+import spmd_expand as spmd
+from spmd_expand.models import MLP
+
+C10D = torch.ops._c10d_functional
+PARAMS = {"fc1.weight": (32, 16), "fc1.bias": (32,), "fc2.weight": (4, 32), "fc2.bias": (4,)}
+
+
+def compiled(mesh, plan, step_fn=cases.cross_entropy_step, model=None):
+    model = model or MLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    step = spmd.compile(mesh=mesh, plan=plan, lower="eager")(step_fn)
+    for _ in range(2):  # the second call is the steady-state graph (optimizer state exists)
+        step(model, optimizer, torch.randn(4, 16), torch.randint(0, 4, (4,)))
+    return step, model, optimizer
+
+
+def gathers_by_role(step) -> dict[str, list[tuple]]:
+    """Global shapes of all-gathered values, by what they are: param, batch, or computed."""
+    graph = step.last.local_graph.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    role = {p: r.kind for p, r in zip(placeholders, step.last.traced.inputs)}
+    found: dict[str, list[tuple]] = {"param": [], "batch": [], "computed": []}
+    for n in graph.nodes:
+        if n.target is C10D.all_gather_into_tensor.default:
+            src = n.args[0]
+            while src.op == "call_function" and src.target in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+                src = src.args[0]
+            found[role.get(src, "computed")].append(tuple(n.meta["val"].shape))
+    return {k: sorted(v) for k, v in found.items()}
+
+
+def reduce_scattered(step) -> list[tuple]:
+    # The input of a reduce_scatter is the full gradient (its output is this rank's shard).
+    return sorted(
+        tuple(n.args[0].meta["val"].shape) if "val" in n.args[0].meta else (n.meta["val"].shape[0] * n.args[2], *n.meta["val"].shape[1:])
+        for n in step.last.local_graph.graph.nodes
+        if n.target is C10D.reduce_scatter_tensor.default
+    )
+
+
+def test_reshard_after_forward_gathers_in_forward_and_again_in_backward(fake_mesh):
+    step, _, _ = compiled(fake_mesh, spmd.FSDP())
+    # Forward reads every parameter once; backward needs only fc2.weight (the input grad of fc2).
+    gathers = gathers_by_role(step)
+    assert gathers["param"] == sorted(list(PARAMS.values()) + [(4, 32)])
+    assert gathers["computed"] == [] and gathers["batch"] == []  # no activation or gradient gathered
+    assert reduce_scattered(step) == sorted(PARAMS.values())
+
+
+def test_no_reshard_gathers_each_parameter_once(fake_mesh):
+    step, _, _ = compiled(fake_mesh, spmd.FSDP(reshard_after_forward=False))
+    assert gathers_by_role(step)["param"] == sorted(PARAMS.values())
+    assert reduce_scattered(step) == sorted(PARAMS.values())
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_microbatches_reduce_scatter_once_per_step(fake_mesh, reshard):
+    step, _, _ = compiled(fake_mesh, spmd.FSDP(reshard_after_forward=reshard), cases.microbatch_step)
+    assert reduce_scattered(step) == sorted(PARAMS.values())
+    gathers = gathers_by_role(step)
+    # Per parameter: one gather per micro-batch forward with resharding (plus fc2.weight per backward),
+    # one per step without; the batch inputs (x, y) are re-laid out once so micro-batches stay sharded.
+    assert len(gathers["param"]) == (2 * 4 + 2 * 1 if reshard else 4)
+    assert len(gathers["batch"]) == 2 and gathers["computed"] == []
+
+
+def test_parameters_and_states_are_sharded_dtensors(fake_mesh):
+    _, model, optimizer = compiled(fake_mesh, spmd.FSDP(), model=MLP(16, 33, 5))
+    for fqn, p in model.named_parameters():
+        assert isinstance(p, DTensor) and p.placements == (Shard(0),), fqn
+        assert p.to_local().shape[0] == -(-p.shape[0] // 4) or p.to_local().shape[0] == p.shape[0] // 4
+        state = optimizer.state[p]
+        assert state["exp_avg"].placements == (Shard(0),) and state["exp_avg_sq"].placements == (Shard(0),)
+        assert state["step"].placements == (Replicate(),)
+        assert state["exp_avg"].to_local().shape == p.to_local().shape
+
+
+def test_fsdp_ignored_module_stays_replicated(fake_mesh):
+    model = MLP()
+    _, model, _ = compiled(fake_mesh, spmd.FSDP(ignored_modules=[model.fc1]), model=model)
+    assert model.fc1.weight.placements == (Replicate(),)
+    assert model.fc2.weight.placements == (Shard(0),)
