@@ -212,13 +212,23 @@ class CompiledStep:
         seconds["lower"] = time.perf_counter() - clock
         return StepArtifacts(traced, local, runner, seconds)
 
+    def prepare(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """Make ``model``'s parameters (and ``optimizer``'s existing states) DTensors with the plan's
+        placements now, as the first call would.
+
+        Use it before loading a sharded checkpoint (``torch.distributed.checkpoint``, or
+        ``set_state_dict``) into a model that has not run a step yet. Idempotent.
+        """
+        if self._resolved is None:
+            self._resolved = resolve_plan(self.plan, self.mesh, model)
+        self._distribute_state(model, optimizer)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, _ = pytree.tree_flatten((args, kwargs))
         model = _find(leaves, nn.Module, "modules", at_most_one=False)
         optimizer = _find(leaves, torch.optim.Optimizer, "optimizers", at_most_one=True)
-        if self._resolved is None:
-            self._resolved = resolve_plan(self.plan, self.mesh, model)
-            self._distribute_state(model, optimizer)
+        # Every call: state loaded since the last call (e.g. by set_state_dict) may be plain tensors.
+        self.prepare(model, optimizer)
         batch_leaves = [x for x in leaves if isinstance(x, torch.Tensor)]
         # The step updates local shards in place; autograd must not track that.
         with torch.no_grad():
