@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .ops import UNSHARD
 from .plans import ResolvedPlan
-from .spec import replicate
+from .spec import AS_PRODUCED, replicate
 from .trace import TracedStep, backward_index
 
 __all__ = ["output_placements", "regather_for_backward"]
@@ -44,13 +44,20 @@ VIEW_OPS = frozenset(
 )
 
 
-def output_placements(traced: TracedStep, model: nn.Module, mesh: DeviceMesh, plan: ResolvedPlan) -> list:
-    """Placements each graph output must end with: returns full, grads and new states per the plan."""
+def output_placements(
+    traced: TracedStep, model: nn.Module, mesh: DeviceMesh, plan: ResolvedPlan, gradient_sync: bool = True
+) -> list:
+    """Placements each graph output must end with: returns full, grads and new states per the plan.
+
+    With ``gradient_sync=False`` gradients are left unreduced (``AS_PRODUCED``).
+    """
     params = dict(model.named_parameters())
     result = []
     for role, node in zip(traced.outputs, traced.graph_module.graph.output_node().args[0]):
         if role.kind == "return":
             result.append(replicate(mesh))
+        elif role.kind == "grad" and not gradient_sync:
+            result.append(AS_PRODUCED)
         elif role.kind == "grad":
             result.append(plan.grad_placements(role.fqn, params[role.fqn]) or replicate(mesh))
         else:

@@ -6,10 +6,11 @@ trace (global graph) -> propagate (placements) -> expand (local graph) -> passes
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -25,7 +26,7 @@ from .expand import RedistributeCache, expand
 from .lower import LOWERINGS, lower
 from .plans import Plan, ResolvedPlan, resolve_plan
 from .propagate import propagate
-from .spec import replicate
+from .spec import AS_PRODUCED, replicate
 from .trace import InputRole, TensorSpec, TracedStep, trace_step
 
 __all__ = ["compile", "CompiledStep", "Override", "StepArtifacts"]
@@ -108,7 +109,31 @@ class CompiledStep:
         self.cache: dict[tuple, StepArtifacts] = {}
         self.redistribute_cache = RedistributeCache()
         self._resolved: Optional[ResolvedPlan] = None
+        self.requires_gradient_sync = True
         functools.update_wrapper(self, fn)
+
+    # ------------------------------------------------------------------ gradient accumulation
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """Turn gradient reduction off (``False``) for calls that only accumulate gradients.
+
+        The FSDP2 habit (``FSDPModule.set_requires_gradient_sync``); :meth:`no_sync` is the DDP one.
+        While off, gradients the step leaves in ``param.grad`` are not reduced: they are unreduced
+        ``Partial`` DTensors of the full parameter shape (as FSDP2 keeps unsharded gradients). The
+        next call with sync on reduces the accumulated gradient once, where the optimizer reads it.
+        Do not call ``optimizer.step()`` inside a step run with sync off: it would update each rank
+        with its own gradient, as with DDP's ``no_sync``.
+        """
+        self.requires_gradient_sync = bool(requires_gradient_sync)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Context manager: calls inside it accumulate gradients without reducing them (DDP's ``no_sync``)."""
+        previous = self.requires_gradient_sync
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(previous)
 
     # ------------------------------------------------------------------ state as DTensors
     def _distribute_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
@@ -182,7 +207,7 @@ class CompiledStep:
         clock = time.perf_counter()
         if self._resolved.reshard_after_forward:
             regather_for_backward(traced.graph_module)
-        out_placements = output_placements(traced, model, self.mesh, self._resolved)
+        out_placements = output_placements(traced, model, self.mesh, self._resolved, self.requires_gradient_sync)
         params = dict(model.named_parameters())
         plan = self._resolved
         propagate(
@@ -190,7 +215,9 @@ class CompiledStep:
             self.mesh,
             placements,
             out_placements,
-            grad_placements=lambda fqn: plan.grad_placements(fqn, params[fqn]),
+            grad_placements=lambda fqn: (
+                plan.grad_placements(fqn, params[fqn]) if self.requires_gradient_sync else AS_PRODUCED
+            ),
             compute_placements=lambda fqn: plan.compute_placements(fqn, params[fqn]),
         )
         seconds["propagate"] = time.perf_counter() - clock
@@ -237,7 +264,7 @@ class CompiledStep:
     def _run(self, args, kwargs, model, optimizer, leaves, batch_leaves) -> Any:
         roles, specs, placements, locals_ = self._inputs(model, optimizer, batch_leaves)
         constants = tuple(repr(x) for x in leaves if not isinstance(x, (torch.Tensor, nn.Module, torch.optim.Optimizer)))
-        key = (tuple(zip(roles, specs, placements)), constants)
+        key = (tuple(zip(roles, specs, placements)), constants, self.requires_gradient_sync)
         artifacts = self.cache.get(key)
         if artifacts is None:
             artifacts = self._compile(args, kwargs, model, optimizer, batch_leaves, roles, specs, placements, locals_)
@@ -260,6 +287,8 @@ class CompiledStep:
                 optimizer.state[params[role.fqn]][role.key] = dt
             else:
                 params[role.fqn].grad = dt
+        for fqn in traced.cleared_grads:
+            params[fqn].grad = None
         values = iter(returns)
         filled = [next(values) if is_tensor else None for is_tensor in traced.return_is_tensor]
         return pytree.tree_unflatten(filled, traced.return_spec)

@@ -24,7 +24,7 @@ from torch.distributed.tensor._op_schema import OpSchema
 from . import rules
 from .dsymint import SYM_ARITHMETIC, SYM_SOURCE_OPS, DSymInt, apply_arithmetic, from_size_node
 from .errors import PlacementError, UnsupportedOpError, node_error
-from .spec import NodeSharding, local_shape, replicate, spec_with_meta, tensor_meta, tensor_spec
+from .spec import AS_PRODUCED, NodeSharding, local_shape, replicate, spec_with_meta, tensor_meta, tensor_spec
 from .trace import TracedStep
 
 __all__ = ["propagate"]
@@ -72,7 +72,7 @@ class _Propagator:
         wanted = []
         for arg, placements in zip(node.args[0], self.output_placements):
             spec = self.output_of(arg)
-            wanted.append(spec_with_meta(self.mesh, placements, spec.tensor_meta))
+            wanted.append(spec if placements == AS_PRODUCED else spec_with_meta(self.mesh, placements, spec.tensor_meta))
         return NodeSharding(inputs=tuple(wanted))
 
     def input_specs(self, node: fx.Node) -> list[Optional[DTensorSpec]]:
@@ -167,8 +167,10 @@ def propagate(
         traced: the global graph from :func:`spmd_expand.trace.trace_step`.
         mesh: the device mesh of the plan.
         input_placements: a placement tuple (one per mesh dim) for each graph input, in order.
-        output_placements: the placement tuple each graph output must end with.
-        grad_placements: parameter FQN -> placements its gradient is reduced to (None: rank-local).
+        output_placements: the placement tuple each graph output must end with (``AS_PRODUCED``:
+            as propagated).
+        grad_placements: parameter FQN -> placements its gradient is reduced to (None: rank-local;
+            ``AS_PRODUCED``: not reduced, e.g. while gradient sync is off).
         compute_placements: parameter FQN -> placements the module reads it with.
 
     Raises:

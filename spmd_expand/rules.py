@@ -38,7 +38,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .dsymint import DSymInt
 from .ops import GRADIENT, UNSHARD
-from .spec import NodeSharding, tensor_spec
+from .spec import AS_PRODUCED, NodeSharding, tensor_spec
 
 __all__ = ["lookup", "SIZE_ARG"]
 
@@ -102,6 +102,9 @@ def _out_spec(prop, node: fx.Node, placements) -> DTensorSpec:
 def gradient_rule(node: fx.Node, prop):
     grad_spec = prop.output_of(node.args[0])
     wanted = prop.grad_placements(node.args[1])
+    if wanted == AS_PRODUCED:
+        # Gradient sync off: the gradient stays as backward produced it (usually Partial).
+        return NodeSharding(inputs=(grad_spec, None), output=grad_spec)
     if wanted is None:
         # Rank-local gradient: used as this rank's value, with no reduction (DDP ignored_modules).
         out = DTensorSpec(prop.mesh, tuple(Replicate() for _ in range(prop.mesh.ndim)), tensor_meta=grad_spec.tensor_meta)

@@ -15,7 +15,8 @@ from torch.distributed.tensor import Placement, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-__all__ = ["NodeSharding", "concrete", "tensor_meta", "tensor_spec", "local_shape", "local_offset", "replicate"]
+__all__ = [
+    "AS_PRODUCED","NodeSharding", "concrete", "tensor_meta", "tensor_spec", "local_shape", "local_offset", "replicate"]
 
 
 @dataclass
@@ -45,6 +46,11 @@ def tensor_meta(val: torch.Tensor) -> TensorMeta:
     return TensorMeta(
         torch.Size([int(concrete(s)) for s in val.shape]), tuple(int(concrete(s)) for s in val.stride()), val.dtype
     )
+
+
+# Placement request meaning "keep whatever placement the value has", e.g. unreduced (Partial)
+# gradients while gradient sync is off.
+AS_PRODUCED = "as-produced"
 
 
 # Building a DTensorSpec is slow (its __setattr__ validates every field), and a model of repeated

@@ -80,6 +80,8 @@ class TracedStep:
     input_specs: list[TensorSpec]
     return_spec: pytree.TreeSpec
     return_is_tensor: list[bool]
+    # Parameters whose gradient was an input and is None after the step (zero_grad()).
+    cleared_grads: list[str]
     fake_mode: FakeTensorMode = field(repr=False)
 
 
@@ -241,6 +243,7 @@ def trace_step(
     real_params = dict(model.named_parameters())
     fqn_of = {id(p): fqn for fqn, p in real_params.items()}
     outputs: list[OutputRole] = []
+    cleared_grads: list[str] = []
     return_spec: list[tuple[pytree.TreeSpec, list[bool]]] = []
 
     def step(*flat: torch.Tensor) -> list[torch.Tensor]:
@@ -295,6 +298,7 @@ def trace_step(
                 if isinstance(value, torch.Tensor) and inputs_by_id.get(id(value)) != InputRole("state", fqn, key):
                     outputs.append(OutputRole("state", fqn, key))
                     out.append(value)
+        cleared_grads[:] = [r.fqn for r in by_role if r.kind == "grad" and params[r.fqn].grad is None]
         for fqn, p in params.items():
             if p.grad is not None and inputs_by_id.get(id(p.grad)) != InputRole("grad", fqn):
                 outputs.append(OutputRole("grad", fqn))
@@ -334,7 +338,9 @@ def trace_step(
     _drop_profiler_nodes(functional)
     functional.recompile()
     spec, is_tensor = return_spec[-1]
-    return TracedStep(functional, list(input_roles), list(outputs), list(input_specs), spec, is_tensor, fake_mode)
+    return TracedStep(
+        functional, list(input_roles), list(outputs), list(input_specs), spec, is_tensor, list(cleared_grads), fake_mode
+    )
 
 
 def _drop_profiler_nodes(gm: fx.GraphModule) -> None:

@@ -311,3 +311,50 @@ def run_cases(rank: int, world: int, names: list[str], steps: int = 3, lower: st
         except Exception:  # noqa: BLE001 - reported per case by the test
             results[name] = {"error": traceback.format_exc()}
     return results
+
+
+def accumulate_step(model, optimizer, x, y):
+    """Eager-style accumulation: backward of one micro-batch, no optimizer step."""
+    loss = F.cross_entropy(model(x), y) / 2
+    loss.backward()
+    return loss
+
+
+def accumulate_and_update_step(model, optimizer, x, y):
+    """The last micro-batch: backward, then the update over the accumulated gradients."""
+    loss = F.cross_entropy(model(x), y) / 2
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def run_no_sync(rank: int, world: int, plan: str, steps: int = 2) -> dict:
+    """Worker: 2 micro-batches per step, one call each; the first under ``no_sync()``."""
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    optimizer = OPTIMIZERS["adamw_foreach"](model.parameters())
+    ref_optimizer = OPTIMIZERS["adamw_foreach"](reference.parameters())
+    accumulate = spmd.compile(mesh=mesh, plan=PLANS[plan](), lower="eager")(accumulate_step)
+    update = spmd.compile(mesh=mesh, plan=PLANS[plan](), lower="eager")(accumulate_and_update_step)
+    grads_between = []
+    for i in range(steps):
+        (x1, y1), (x2, y2) = (_xy(torch.Generator().manual_seed(200 + 2 * i + k)) for k in range(2))
+        accumulate_step(reference, ref_optimizer, x1, y1)
+        accumulate_and_update_step(reference, ref_optimizer, x2, y2)
+        with accumulate.no_sync():
+            accumulate(model, optimizer, shard(x1, rank, world), shard(y1, rank, world))
+        grads_between.append({k: type(p.grad).__name__ + str(getattr(p.grad, "placements", "")) for k, p in model.named_parameters()})
+        update(model, optimizer, shard(x2, rank, world), shard(y2, rank, world))
+    from spmd_expand.graph_stats import collective_stats
+
+    return {
+        "params": {k: _full(v).detach().clone() for k, v in model.named_parameters()},
+        "ref_params": {k: v.detach().clone() for k, v in reference.named_parameters()},
+        "grads_after": [p.grad is None for p in model.parameters()],
+        "grads_between": grads_between,
+        "accumulate_collectives": collective_stats(accumulate.last.local_graph).as_dict(),
+        "update_collectives": collective_stats(update.last.local_graph).as_dict(),
+    }
