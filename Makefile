@@ -21,7 +21,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)
-	$(PY) bench/expand_speed.py
+	$(PY) bench/expand_speed.py > bench/results/expand_speed.json
+	$(PY) bench/fsdp_memory.py > bench/results/fsdp_memory.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

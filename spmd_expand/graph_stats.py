@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
-__all__ = ["COLLECTIVES", "CollectiveStats", "collective_stats"]
+__all__ = ["COLLECTIVES", "CollectiveStats", "collective_stats", "annotate_local_values", "peak_live_bytes"]
 
 _c10d = torch.ops._c10d_functional
 COLLECTIVES = {
@@ -62,3 +63,63 @@ def collective_stats(gm: fx.GraphModule) -> CollectiveStats:
                 out_bytes *= node.args[2]
             stats.bytes[kind] += out_bytes
     return stats
+
+
+def annotate_local_values(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> None:
+    """Set ``node.meta["val"]`` (a fake tensor of the local shape) on every node of a local graph.
+
+    Runs torch's ``FakeTensorProp`` over ``gm`` with fake copies of ``example_inputs`` (this rank's
+    local tensors, real or fake); collectives have meta kernels, so no communication happens.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with torch.no_grad():  # the graph writes its inputs in place (copy_), which autograd forbids on views
+        fakes = [mode.from_tensor(t.detach()) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+
+
+def _bytes(val) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (list, tuple)):
+        return sum(_bytes(v) for v in val)
+    return 0
+
+
+def peak_live_bytes(gm: fx.GraphModule) -> dict[str, int]:
+    """Peak bytes of live tensors while ``gm`` runs, from a liveness walk in graph order.
+
+    Needs ``node.meta["val"]`` on every node (see :func:`annotate_local_values`). Inputs are live
+    throughout; a computed value is live from its node to its last use; outputs of view ops alias
+    their input (no bytes of their own, but they keep it alive). Returns ``{"inputs": bytes,
+    "peak": bytes}`` where ``peak`` includes the inputs.
+    """
+    from .annotate import VIEW_OPS
+
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    owner: dict[fx.Node, fx.Node] = {}  # value -> node whose storage it uses
+    for n in nodes:
+        if n.op == "call_function" and n.target in VIEW_OPS and isinstance(n.args[0], fx.Node):
+            owner[n] = owner.get(n.args[0], n.args[0])
+        elif n.op == "call_function" and n.target is operator.getitem:
+            owner[n] = n  # an element of a multi-output op is its own buffer
+    last_use: dict[fx.Node, int] = {}
+    for n in nodes:
+        for user in n.users:
+            base = owner.get(n, n)
+            last_use[base] = max(last_use.get(base, 0), order[user])
+    inputs = sum(_bytes(n.meta.get("val")) for n in nodes if n.op == "placeholder")
+    frees: dict[int, int] = {}
+    live = peak = inputs
+    for n in nodes:
+        if n.op in ("placeholder", "output") or n in owner and owner[n] is not n:
+            continue
+        size = 0 if any(u.target is operator.getitem for u in n.users) else _bytes(n.meta.get("val"))
+        live += size
+        peak = max(peak, live)
+        frees[last_use.get(n, order[n])] = frees.get(last_use.get(n, order[n]), 0) + size
+        live -= frees.pop(order[n], 0)
+    return {"inputs": inputs, "peak": peak}
