@@ -12,7 +12,7 @@ from . import ops  # noqa: F401  (registers spmd_expand::gradient)
 from .api import CompiledStep, Override, StepArtifacts, compile
 from .dsymint import DSymInt
 from .errors import PlacementError, PlanError, SpmdError, TraceError, UnsupportedOpError
-from .plans import DDP, FSDP, ParallelStyle
+from .plans import DDP, FSDP, ParallelStyle, TensorParallel
 
 __all__ = [
     "compile",
@@ -21,6 +21,7 @@ __all__ = [
     "Override",
     "DDP",
     "FSDP",
+    "TensorParallel",
     "ParallelStyle",
     "DSymInt",
     "SpmdError",

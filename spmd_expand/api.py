@@ -201,7 +201,9 @@ class CompiledStep:
         seconds: dict[str, float] = {}
         clock = time.perf_counter()
         with _overrides(model, self.module_override):
-            traced = trace_step(self.fn, args, kwargs, model, optimizer, roles, specs)
+            traced = trace_step(
+                self.fn, args, kwargs, model, optimizer, roles, specs, self._resolved.module_layouts()
+            )
         seconds["trace"] = time.perf_counter() - clock
 
         clock = time.perf_counter()

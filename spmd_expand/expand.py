@@ -27,7 +27,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .dsymint import DSymInt, local_strides
-from .ops import GRADIENT, UNSHARD
+from .ops import GRADIENT, LAYOUT, UNSHARD
 from .rules import SIZE_ARG
 from .spec import NodeSharding, local_offset, local_shape
 
@@ -76,8 +76,13 @@ class _Expander:
     def spmd(self, node: fx.Node) -> NodeSharding:
         return node.meta["spmd"]
 
-    def redistribute(self, node: fx.Node, dst: Optional[DTensorSpec], reuse: bool = True) -> fx.Node:
-        """``node``'s local value with placements ``dst``; with ``reuse``, made at most once."""
+    def redistribute(
+        self, node: fx.Node, dst: Optional[DTensorSpec], reuse: bool = True, consumer: Optional[fx.Node] = None
+    ) -> fx.Node:
+        """``node``'s local value with placements ``dst``; with ``reuse``, made at most once.
+
+        The spliced nodes carry the consumer's ``meta["custom"]`` (e.g. its backward-region tag).
+        """
         src = self.spmd(node).output
         local = self.local[node]
         if dst is None or not isinstance(src, DTensorSpec) or src.placements == dst.placements:
@@ -96,6 +101,8 @@ class _Expander:
                     new = self.graph.node_copy(n, lambda x: env[x])
                     new.meta["spmd_redistribute"] = (src.placements, dst.placements)
                     new.meta["stack_trace"] = node.meta.get("stack_trace")
+                    if consumer is not None and "custom" in consumer.meta:
+                        new.meta["custom"] = consumer.meta["custom"]
                     env[n] = new
             self.redistributed[key] = result
         return self.redistributed[key]
@@ -135,12 +142,17 @@ class _Expander:
             return
         if node.target is GRADIENT:
             # The gradient marker is the redistribution itself (or nothing, for rank-local gradients).
-            self.local[node] = self.redistribute(node.args[0], None if sharding.rank_local else sharding.inputs[0])
+            self.local[node] = self.redistribute(
+                node.args[0], None if sharding.rank_local else sharding.inputs[0], consumer=node
+            )
+            return
+        if node.target is LAYOUT:
+            self.local[node] = self.redistribute(node.args[0], sharding.inputs[0], consumer=node)
             return
         if node.target is UNSHARD:
             # Each unshard marker is its own gather point: a parameter re-gathered for backward
             # (reshard_after_forward) must not reuse the forward's gathered copy.
-            self.local[node] = self.redistribute(node.args[0], sharding.inputs[0], reuse=False)
+            self.local[node] = self.redistribute(node.args[0], sharding.inputs[0], reuse=False, consumer=node)
             return
 
         leaves, tree = pytree.tree_flatten((node.args, node.kwargs))
@@ -149,7 +161,9 @@ class _Expander:
         for leaf, spec in zip(leaves, wanted):
             if isinstance(leaf, fx.Node):
                 value = self.local[leaf]
-                new_leaves.append(value.global_value if isinstance(value, DSymInt) else self.redistribute(leaf, spec))
+                new_leaves.append(
+                    value.global_value if isinstance(value, DSymInt) else self.redistribute(leaf, spec, consumer=node)
+                )
             else:
                 new_leaves.append(leaf)
         args, kwargs = pytree.tree_unflatten(new_leaves, tree)
@@ -157,6 +171,8 @@ class _Expander:
         new = self.graph.call_function(target, tuple(args), kwargs)
         new.meta["spmd"] = sharding
         new.meta["stack_trace"] = node.meta.get("stack_trace")
+        if "custom" in node.meta:
+            new.meta["custom"] = node.meta["custom"]
         self.local[node] = new
 
     def local_size_args(self, node: fx.Node, args: list, sharding: NodeSharding) -> tuple[Any, list]:

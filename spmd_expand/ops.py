@@ -1,7 +1,8 @@
 """Custom ops that mark points of the traced step for later stages.
 
 ``spmd_expand::unshard(param, fqn)`` marks where the module reads parameter ``fqn``; see
-:func:`unshard`.
+:func:`unshard`. ``spmd_expand::layout(t, mesh_dim, placement)`` asks for a placement at a module
+boundary (tensor parallel); see :func:`layout`.
 
 ``spmd_expand::gradient(grad, fqn)`` marks the gradient of parameter ``fqn`` as the optimizer reads it
 (after all micro-batches have accumulated into it). Propagation pins its output to the plan's gradient
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gradient", "unshard", "GRADIENT", "UNSHARD"]
+__all__ = ["gradient", "unshard", "layout", "GRADIENT", "UNSHARD", "LAYOUT"]
 
 
 @torch.library.custom_op("spmd_expand::gradient", mutates_args=())
@@ -53,3 +54,28 @@ def _unshard_backward(ctx, grad: torch.Tensor):
 unshard.register_autograd(_unshard_backward)
 
 UNSHARD = torch.ops.spmd_expand.unshard.default
+
+
+@torch.library.custom_op("spmd_expand::layout", mutates_args=())
+def layout(tensor: torch.Tensor, mesh_dim: int, placement: str) -> torch.Tensor:
+    """Identity on ``tensor``, asking for ``placement`` on mesh dim ``mesh_dim`` at this point.
+
+    ``placement`` is ``"R"`` (replicate) or ``"S<dim>"`` (shard on tensor dim ``<dim>``, negative
+    dims count from the end). Placed at the inputs and outputs of modules a tensor-parallel style
+    names (its ``desired_input_layouts`` / ``output_layouts``). Gradients flow through unchanged.
+    """
+    return tensor.clone()
+
+
+@layout.register_fake
+def _(tensor: torch.Tensor, mesh_dim: int, placement: str) -> torch.Tensor:
+    return torch.empty_like(tensor)
+
+
+def _layout_backward(ctx, grad: torch.Tensor):
+    return grad, None, None
+
+
+layout.register_autograd(_layout_backward)
+
+LAYOUT = torch.ops.spmd_expand.layout.default

@@ -8,8 +8,9 @@ all later stages see.
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Union
+from typing import Iterable, Mapping, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -18,7 +19,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 from .errors import PlanError
 
-__all__ = ["ParallelStyle", "DDP", "FSDP", "Plan", "ResolvedPlan", "resolve_plan"]
+__all__ = ["ParallelStyle", "DDP", "FSDP", "TensorParallel", "Plan", "ResolvedPlan", "resolve_plan"]
 
 
 class ParallelStyle:
@@ -139,6 +140,129 @@ class FSDP(_DataParallel):
         return Replicate()
 
 
+class TensorParallel(ParallelStyle):
+    """Tensor parallel (Megatron-LM, Shoeybi et al. 2019), with torch's own TP styles.
+
+    ``plan`` maps globs over the FQNs of parameter-owning modules (``"layers.*.attn.q_proj"``, matched
+    with :func:`fnmatch.fnmatchcase`) to ``torch.distributed.tensor.parallel`` styles. Parameter
+    placements on this mesh dim follow those styles (as ``parallelize_module`` places them):
+
+    =====================  =========================  ===========================
+    style                  ``nn.Linear``              ``nn.Embedding``
+    =====================  =========================  ===========================
+    ``ColwiseParallel``    weight, bias ``Shard(0)``  weight ``Shard(1)``
+    ``RowwiseParallel``    weight ``Shard(1)``,       weight ``Shard(0)``
+                           bias ``Replicate()``       (vocab-parallel embedding)
+    ``SequenceParallel``   ``Replicate()``            ``Replicate()``
+    =====================  =========================  ===========================
+
+    Parameters no glob names are ``Replicate()``. The batch is replicated over this dim (TP ranks
+    pass the same batch). Module inputs and outputs are brought to the style's layouts
+    (``desired_input_layouts`` / ``output_layouts``; ``SequenceParallel``: ``Shard(sequence_dim)``)
+    where the module is called; ``use_local_output`` has no meaning for a whole-step graph (the step
+    always sees global tensors) and is ignored.
+
+    Raises:
+        PlanError: a glob matches no module, a style is not a Colwise/Rowwise/SequenceParallel, or a
+            tied parameter would get two different placements.
+    """
+
+    def __init__(self, plan: Mapping[str, object]):
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+        for pattern, style in plan.items():
+            if not isinstance(style, (ColwiseParallel, RowwiseParallel, SequenceParallel)):
+                raise PlanError(
+                    f"TensorParallel entry {pattern!r}: {type(style).__name__} is not ColwiseParallel, "
+                    f"RowwiseParallel or SequenceParallel"
+                )
+        self.plan = dict(plan)
+        self._param_placements: dict[str, Placement] = {}
+        self._module_styles: dict[str, object] = {}
+        self._modules: dict[str, nn.Module] = {}
+
+    def __repr__(self) -> str:
+        entries = ", ".join(f"{k!r}: {type(v).__name__}" for k, v in self.plan.items())
+        return f"TensorParallel({{{entries}}})"
+
+    def style_of(self, module_fqn: str) -> Optional[object]:
+        """The TP style whose glob matches ``module_fqn`` first, or None."""
+        for pattern, style in self.plan.items():
+            if fnmatch.fnmatchcase(module_fqn, pattern):
+                return style
+        return None
+
+    def bind(self, model: nn.Module) -> None:
+        modules = dict(model.named_modules())
+        for pattern in self.plan:
+            if not any(fnmatch.fnmatchcase(name, pattern) for name in modules):
+                raise PlanError(f"TensorParallel glob {pattern!r} matches no submodule of {type(model).__name__}")
+        self._module_styles = {name: s for name in modules if (s := self.style_of(name)) is not None}
+        self._modules = {name: modules[name] for name in self._module_styles}
+        placements: dict[int, tuple[Placement, str]] = {}
+        canonical = {id(p): fqn for fqn, p in model.named_parameters()}
+        for fqn, param in model.named_parameters(remove_duplicate=False):
+            module_fqn, _, name = fqn.rpartition(".")
+            placement = _tp_placement(self._module_styles.get(module_fqn), modules[module_fqn], name)
+            seen = placements.setdefault(id(param), (placement, fqn))
+            if seen[0] != placement:
+                raise PlanError(
+                    f"tied parameter {canonical[id(param)]!r} is {seen[0]} as {seen[1]!r} but {placement} as "
+                    f"{fqn!r}; give both modules styles that place it the same way"
+                )
+        self._param_placements = {canonical[pid]: pl for pid, (pl, _) in placements.items()}
+
+    def param_placement(self, fqn: str, param: torch.Tensor) -> Placement:
+        return self._param_placements.get(fqn, Replicate())
+
+    def batch_placement(self, tensor: torch.Tensor) -> Placement:
+        return Replicate()
+
+    def module_layouts(self) -> dict[str, tuple[Optional[str], Optional[str]]]:
+        """Module FQN -> (input, output) placement on this mesh dim, in the ``layout`` marker's
+        encoding (``"R"``, ``"S<dim>"``), for the modules the plan names (after :meth:`bind`)."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        layouts = {}
+        for fqn, style in self._module_styles.items():
+            if isinstance(style, ColwiseParallel):
+                layouts[fqn] = (_encode(style.desired_input_layouts[0]), _encode(style.output_layouts[0]))
+            elif isinstance(style, RowwiseParallel):
+                # Where the module is called the input is brought to what the local op needs, as
+                # RowwiseParallel's input hook does: split features for a Linear, indices whole for
+                # an Embedding.
+                wanted = "R" if isinstance(self._modules[fqn], nn.Embedding) else "S-1"
+                layouts[fqn] = (wanted, _encode(style.output_layouts[0]))
+            else:  # SequenceParallel
+                layouts[fqn] = (_encode(style.sequence_sharding[0]),) * 2
+        return layouts
+
+
+def _encode(placement: Placement) -> str:
+    if isinstance(placement, Replicate):
+        return "R"
+    if isinstance(placement, Shard):
+        return f"S{placement.dim}"
+    raise PlanError(f"tensor-parallel layouts must be Replicate() or Shard(dim), got {placement}")
+
+
+def _tp_placement(style: Optional[object], module: nn.Module, name: str) -> Placement:
+    """Placement of parameter ``name`` of ``module`` under TP ``style`` (see TensorParallel)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if isinstance(module, nn.Embedding) and name == "weight":
+        if isinstance(style, ColwiseParallel):
+            return Shard(1)
+        if isinstance(style, RowwiseParallel):
+            return Shard(0)
+    elif isinstance(module, nn.Linear):
+        if isinstance(style, ColwiseParallel):
+            return Shard(0)
+        if isinstance(style, RowwiseParallel):
+            return Shard(1) if name == "weight" else Replicate()
+    return Replicate()
+
+
 Plan = Union[ParallelStyle, Mapping[str, ParallelStyle]]
 
 
@@ -161,6 +285,15 @@ class ResolvedPlan:
     @property
     def reshard_after_forward(self) -> bool:
         return any(s.reshard_after_forward for s in self.styles)
+
+    def module_layouts(self) -> dict[str, list[tuple[int, Optional[str], Optional[str]]]]:
+        """Module FQN -> [(mesh dim, input placement, output placement)] for tensor-parallel styles."""
+        layouts: dict[str, list] = {}
+        for mesh_dim, style in enumerate(self.styles):
+            if isinstance(style, TensorParallel):
+                for fqn, (inp, out) in style.module_layouts().items():
+                    layouts.setdefault(fqn, []).append((mesh_dim, inp, out))
+        return layouts
 
     def grad_placements(self, fqn: str, param: torch.Tensor) -> tuple[Placement, ...] | None:
         """Placements a gradient is reduced to, or None where it stays rank-local on some mesh dim."""

@@ -2,6 +2,7 @@
 
 * ``spmd_expand::gradient``: the gradient marker; its output takes the plan's gradient placement.
 * ``spmd_expand::unshard``: the parameter-read marker; its output takes the plan's compute placement.
+* ``spmd_expand::layout``: a module-boundary marker; its output takes the requested placement.
 * Factory ops (``zeros``, ``ones``, ``full``, ``empty``, ``arange``, ...) have no tensor input to take a
   placement from. Their sizes decide: a size that is a sharded :class:`~spmd_expand.dsymint.DSymInt`
   (e.g. the batch size) makes that dim ``Shard`` on the DSymInt's mesh dims; otherwise ``Replicate``.
@@ -37,7 +38,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .dsymint import DSymInt
-from .ops import GRADIENT, UNSHARD
+from .ops import GRADIENT, LAYOUT, UNSHARD
 from .spec import AS_PRODUCED, NodeSharding, tensor_spec
 
 __all__ = ["lookup", "SIZE_ARG"]
@@ -118,6 +119,24 @@ def unshard_rule(node: fx.Node, prop):
     stored = prop.output_of(node.args[0])
     out = DTensorSpec(prop.mesh, tuple(prop.compute_placements(node.args[1])), tensor_meta=stored.tensor_meta)
     return NodeSharding(inputs=(out, None), output=out)
+
+
+def parse_placement(text: str, ndim: int):
+    """``"R"`` -> ``Replicate()``, ``"S<d>"`` -> ``Shard(d mod ndim)`` (the ``layout`` marker's encoding)."""
+    if text == "R":
+        return Replicate()
+    if text.startswith("S"):
+        return Shard(int(text[1:]) % max(ndim, 1))
+    raise ValueError(f"unknown placement encoding {text!r}")
+
+
+def layout_rule(node: fx.Node, prop):
+    """The input with the requested placement on one mesh dim; other mesh dims unchanged."""
+    src = prop.output_of(node.args[0])
+    placements = list(src.placements)
+    placements[node.args[1]] = parse_placement(node.args[2], len(src.tensor_meta.shape))
+    out = DTensorSpec(prop.mesh, tuple(placements), tensor_meta=src.tensor_meta)
+    return NodeSharding(inputs=(out, None, None), output=out)
 
 
 def factory_rule(node: fx.Node, prop):
@@ -291,6 +310,7 @@ _register_dtensor_strategies()
 _RULES: dict[Any, Callable] = {
     GRADIENT: gradient_rule,
     UNSHARD: unshard_rule,
+    LAYOUT: layout_rule,
     aten._fused_adam.default: _fused_optimizer_rule(5),
     aten._fused_adamw.default: _fused_optimizer_rule(5),
     aten._fused_sgd.default: _fused_optimizer_rule(3),

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import spmd_expand as spmd
 from spmd_expand.data import shard
+from spmd_expand.plans import resolve_plan
 from spmd_expand.models import MLP, GPTConfig, build_gpt
 
 GLOBAL_BATCH = 8
@@ -227,6 +229,8 @@ class Case:
     optimizer: str
     batch: Callable[[torch.Generator], tuple]
     step: Callable
+    # Tensor-parallel plan of the model ({module glob: torch TP style}) for the TP and 2-D plans.
+    tp: Optional[dict] = None
 
 
 def _xy(g):
@@ -242,14 +246,29 @@ def _tokens(g):
     return idx, torch.roll(idx, -1, dims=1)
 
 
+MLP_TP = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+# Megatron: q/k/v and fc1 column-wise, out-proj and fc2 row-wise; vocab-parallel embedding and head
+# (tied: both Shard(0) over the vocabulary).
+GPT_TP = {
+    "layers.*.attn.q_proj": ColwiseParallel(),
+    "layers.*.attn.k_proj": ColwiseParallel(),
+    "layers.*.attn.v_proj": ColwiseParallel(),
+    "layers.*.attn.out_proj": RowwiseParallel(),
+    "layers.*.mlp.fc1": ColwiseParallel(),
+    "layers.*.mlp.fc2": RowwiseParallel(),
+    "tok_emb": RowwiseParallel(),
+    "head": ColwiseParallel(),
+}
+
 GPT_CONFIG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd=32)
 
 CASES: dict[str, Case] = {
-    **{f"mlp_{name}": Case(MLP, name, _xy, cross_entropy_step) for name in OPTIMIZERS},
-    "mlp_microbatch": Case(MLP, "adamw_foreach", _xy, microbatch_step),
+    **{f"mlp_{name}": Case(MLP, name, _xy, cross_entropy_step, MLP_TP) for name in OPTIMIZERS},
+    "mlp_microbatch": Case(MLP, "adamw_foreach", _xy, microbatch_step, MLP_TP),
     # 33 and 5 rows do not divide by 2 or 4: uneven Shard(0) under FSDP.
-    "mlp_uneven": Case(lambda: MLP(16, 33, 5), "adamw_foreach", lambda g: (torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randint(0, 5, (GLOBAL_BATCH,), generator=g)), cross_entropy_step),
-    "gpt_adamw": Case(lambda: build_gpt(GPT_CONFIG, seed=0), "adamw_foreach", _tokens, gpt_step),
+    "mlp_uneven": Case(lambda: MLP(16, 33, 5), "adamw_foreach", lambda g: (torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randint(0, 5, (GLOBAL_BATCH,), generator=g)), cross_entropy_step, MLP_TP),
+    "gpt_adamw": Case(lambda: build_gpt(GPT_CONFIG, seed=0), "adamw_foreach", _tokens, gpt_step, GPT_TP),
+    "gpt_megatron_blocks": Case(lambda: build_gpt(GPT_CONFIG, seed=0), "adamw_foreach", _tokens, gpt_step, {k: v for k, v in GPT_TP.items() if k.startswith("layers")}),
     "log_softmax": Case(LogSoftmaxModel, "sgd", _xy, nll_step),
     "nll_loss": Case(NllLossModel, "sgd_momentum", _xy, nll_step),
     "embedding_layer_norm": Case(EmbeddingLayerNorm, "adam_foreach", lambda g: (torch.randint(0, 32, (GLOBAL_BATCH, 6), generator=g), torch.randint(0, 4, (GLOBAL_BATCH,), generator=g)), cross_entropy_step),
@@ -268,11 +287,31 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-PLANS: dict[str, Callable[[], object]] = {
-    "ddp": spmd.DDP,
-    "fsdp": spmd.FSDP,
-    "fsdp_keep": lambda: spmd.FSDP(reshard_after_forward=False),
+# Plan name -> (mesh dim names for a W-rank mesh, or None for 1-D; plan factory given the case's TP plan).
+PLANS: dict[str, tuple] = {
+    "ddp": (None, lambda tp: spmd.DDP()),
+    "fsdp": (None, lambda tp: spmd.FSDP()),
+    "fsdp_keep": (None, lambda tp: spmd.FSDP(reshard_after_forward=False)),
+    "tp": (None, lambda tp: spmd.TensorParallel(tp)),
+    "fsdp+tp": (("dp", "tp"), lambda tp: {"dp": spmd.FSDP(), "tp": spmd.TensorParallel(tp)}),
+    "ddp+tp": (("dp", "tp"), lambda tp: {"dp": spmd.DDP(), "tp": spmd.TensorParallel(tp)}),
+    "hsdp": (("replicate", "shard"), lambda tp: {"replicate": spmd.DDP(), "shard": spmd.FSDP()}),
 }
+
+
+def make_mesh(plan: str, world: int):
+    names = PLANS[plan][0]
+    if names is None:
+        return init_device_mesh("cpu", (world,))
+    return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=names)
+
+
+def local_batch(t: torch.Tensor, mesh, placements) -> torch.Tensor:
+    """This rank's part of a global batch tensor under ``placements`` (DTensor's chunking rule)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+    return t[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
 def run_case(case: Case, mesh, rank: int, world: int, steps: int, lower: str, plan: str = "ddp") -> dict:
@@ -281,12 +320,13 @@ def run_case(case: Case, mesh, rank: int, world: int, steps: int, lower: str, pl
     reference = copy.deepcopy(model)
     optimizer = OPTIMIZERS[case.optimizer](model.parameters())
     ref_optimizer = OPTIMIZERS[case.optimizer](reference.parameters())
-    step = spmd.compile(mesh=mesh, plan=PLANS[plan](), lower=lower)(case.step)
+    step = spmd.compile(mesh=mesh, plan=PLANS[plan][1](case.tp), lower=lower)(case.step)
+    resolved = resolve_plan(PLANS[plan][1](case.tp), mesh, model)
     losses, ref_losses = [], []
     for i in range(steps):
         batch = case.batch(torch.Generator().manual_seed(100 + i))
         ref_losses.append(case.step(reference, ref_optimizer, *batch).detach())
-        local = [shard(t, rank, world) for t in batch]
+        local = [local_batch(t, mesh, resolved.batch_placements(t)) for t in batch]
         losses.append(step(model, optimizer, *local).detach())
     return {
         "losses": torch.stack(losses),
@@ -303,7 +343,7 @@ def run_cases(rank: int, world: int, names: list[str], steps: int = 3, lower: st
     """Worker: run each named case on this rank; errors are returned per case, not raised."""
     import traceback
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = make_mesh(plan, world)
     results = {}
     for name in names:
         try:

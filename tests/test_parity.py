@@ -95,3 +95,18 @@ def test_fsdp_eager_world4(results, name):
 @pytest.mark.parametrize("name", FSDP_INDUCTOR_W2)
 def test_fsdp_inductor_world2(results, name):
     check(results(2, "inductor", FSDP_INDUCTOR_W2, "fsdp"), name)
+
+
+TP_W2 = ["mlp_sgd", "mlp_adamw_foreach", "mlp_adam_fused", "mlp_uneven", "mlp_microbatch", "gpt_megatron_blocks"]
+TWO_D_W4 = ["mlp_adamw_foreach", "mlp_uneven", "gpt_megatron_blocks"]
+
+
+@pytest.mark.parametrize("name", TP_W2)
+def test_tp_eager_world2(results, name):
+    check(results(2, "eager", TP_W2, "tp"), name)
+
+
+@pytest.mark.parametrize("plan", ["fsdp+tp", "ddp+tp", "hsdp"])
+@pytest.mark.parametrize("name", TWO_D_W4)
+def test_2d_eager_world4(results, plan, name):
+    check(results(4, "eager", TWO_D_W4, plan), name)
