@@ -1,4 +1,4 @@
-"""``spmd-expand`` command line: ``train`` (the main job). Later issues add ``dump`` and ``diff``."""
+"""``spmd-expand`` command line: ``train`` (the main job), ``dump`` and ``diff`` (graph inspection)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import sys
 from dataclasses import fields
 from typing import Optional, Sequence
 
+from .tools import diff as diff_tool
+from .tools import dump as dump_tool
 from .train import PLANS, TrainConfig, train_worker
 
 __all__ = ["main"]
@@ -76,13 +78,39 @@ def _report(summary: dict, cfg: TrainConfig) -> None:
         )
 
 
+def _dump_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "dump",
+        help="expand a train step on fake ranks and write each stage's graph, a summary and a picture",
+        description="Compile a train step on torch's fake process group (any world size, no real ranks) and "
+        "write each stage's graph as text, a JSON summary and an HTML picture.",
+    )
+    dump_tool.add_arguments(p)
+
+
+def _diff_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "diff",
+        help="compare two dumps (files or folders); exit 0 equal, 1 different, 2 bad input",
+        description="Structural diff of two spmd-expand dumps (folders or files), nodes aligned by role; "
+        "collectives side by side on top.",
+    )
+    diff_tool.add_arguments(p)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="spmd-expand", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    _dump_parser(sub)
+    _diff_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "train":
         return _run_train(args)
+    if args.command == "dump":
+        return dump_tool.run(args)
+    if args.command == "diff":
+        return diff_tool.run(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -21,6 +21,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import _MaskPartial
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.fx._lazy_graph_module import _LazyGraphModule
@@ -36,26 +37,62 @@ __all__ = ["expand", "RedistributeCache"]
 aten = torch.ops.aten
 
 
+def _fresh_masks(spec: DTensorSpec) -> DTensorSpec:
+    """``spec`` with new ``_MaskPartial`` objects, so tracing never touches DTensor's shared mask state."""
+    placements = tuple(
+        _MaskPartial(reduce_op=p.reduce_op, offset_shape=p.offset_shape, offset_dim=p.offset_dim)
+        if isinstance(p, _MaskPartial)
+        else p
+        for p in spec.placements
+    )
+    return DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
+
+
+def _masks(spec: DTensorSpec) -> list:
+    return [p for p in spec.placements if isinstance(p, _MaskPartial)]
+
+
 class RedistributeCache:
     """Traced redistribution subgraphs keyed by (src placements, dst placements, shape, dtype, mesh).
 
     One cache may serve many expansions on the same rank (e.g. the first-call and steady-state graphs).
+
+    DTensor's vocab-parallel embedding uses ``_MaskPartial``: partitioning the indices computes a mask
+    that reducing the embedding's output later applies (eager DTensor passes it through shared
+    placement state). Here the mask is a graph value: a redistribution *to* a ``_MaskPartial`` returns
+    ``(value, mask)``, and one *from* it takes ``(value, mask)``.
     """
 
     def __init__(self) -> None:
         self._graphs: dict[tuple, fx.GraphModule] = {}
         self.misses = 0
 
-    def get(self, src: DTensorSpec, dst: DTensorSpec) -> fx.GraphModule:
+    def get(self, src: DTensorSpec, dst: DTensorSpec, mask_shape: Optional[list[int]] = None) -> fx.GraphModule:
         meta = src.tensor_meta
-        key = (src.placements, dst.placements, tuple(meta.shape), meta.dtype, src.mesh)
+        key = (src.placements, dst.placements, tuple(meta.shape), meta.dtype, src.mesh, tuple(mask_shape or ()))
         gm = self._graphs.get(key)
         if gm is None:
             self.misses += 1
             shape = local_shape(src)  # outside fake mode: DTensor computes offsets with real tensors
             with FakeTensorMode():
                 example = torch.empty(shape, dtype=meta.dtype)
-            gm = make_fx(lambda t: redistribute_local_tensor(t, src, dst), tracing_mode="fake")(example)
+                mask = torch.empty(mask_shape, dtype=torch.bool) if mask_shape is not None else None
+            src, dst = _fresh_masks(src), _fresh_masks(dst)
+            if _masks(src):
+                def fn(t, m):
+                    for p in _masks(src):
+                        p.mask_buffer.materialize_mask(m)
+                    return redistribute_local_tensor(t, src, dst)
+
+                gm = make_fx(fn, tracing_mode="fake")(example, mask)
+            elif _masks(dst):
+                def fn(t):
+                    out = redistribute_local_tensor(t, src, dst)
+                    return out, _masks(dst)[0].mask_buffer.data
+
+                gm = make_fx(fn, tracing_mode="fake")(example)
+            else:
+                gm = make_fx(lambda t: redistribute_local_tensor(t, src, dst), tracing_mode="fake")(example)
             self._graphs[key] = gm
         return gm
 
@@ -72,6 +109,8 @@ class _Expander:
         self.local: dict[fx.Node, Any] = {}
         self.redistributed: dict[tuple, fx.Node] = {}
         self.attrs: dict[str, torch.Tensor] = {}
+        # Node whose output is a _MaskPartial value -> the local mask node that goes with it.
+        self.mask_of: dict[fx.Node, fx.Node] = {}
 
     def spmd(self, node: fx.Node) -> NodeSharding:
         return node.meta["spmd"]
@@ -89,14 +128,22 @@ class _Expander:
             return local
         key = (node, dst.placements)
         if key not in self.redistributed or not reuse:
-            sub = self.cache.get(src, dst)
+            mask = self.mask_of.get(node) if _masks(src) else None
+            mask_shape = list(mask.meta["val"].shape) if mask is not None else None
+            sub = self.cache.get(src, dst, mask_shape)
             env: dict[fx.Node, Any] = {}
+            inputs = iter([local, mask])
             result = None
             for n in sub.graph.nodes:
                 if n.op == "placeholder":
-                    env[n] = local
+                    env[n] = next(inputs)
+                elif n.op == "get_attr":
+                    name = f"_redistribute_constant_{len(self.attrs)}"
+                    self.attrs[name] = getattr(sub, n.target)
+                    env[n] = self.graph.get_attr(name)
                 elif n.op == "output":
-                    result = env[n.args[0]]
+                    out = n.args[0]
+                    result = env[out] if isinstance(out, fx.Node) else tuple(env[o] for o in out)
                 else:
                     new = self.graph.node_copy(n, lambda x: env[x])
                     new.meta["spmd_redistribute"] = (src.placements, dst.placements)
@@ -105,7 +152,12 @@ class _Expander:
                         new.meta["custom"] = consumer.meta["custom"]
                     env[n] = new
             self.redistributed[key] = result
-        return self.redistributed[key]
+        result = self.redistributed[key]
+        if isinstance(result, tuple):  # partitioned to a _MaskPartial: (value, mask)
+            result, mask = result
+            if consumer is not None:
+                self.mask_of[consumer] = mask
+        return result
 
     def run(self) -> fx.GraphModule:
         for node in self.global_gm.graph.nodes:
@@ -139,6 +191,7 @@ class _Expander:
             new = self.graph.call_function(operator.getitem, (self.local[node.args[0]], node.args[1]))
             new.meta["spmd"] = sharding
             self.local[node] = new
+            self._inherit_mask(node)
             return
         if node.target is GRADIENT:
             # The gradient marker is the redistribution itself (or nothing, for rank-local gradients).
@@ -174,6 +227,16 @@ class _Expander:
         if "custom" in node.meta:
             new.meta["custom"] = node.meta["custom"]
         self.local[node] = new
+        self._inherit_mask(node)
+
+    def _inherit_mask(self, node: fx.Node) -> None:
+        """A _MaskPartial output keeps the mask of the input it came from (or of its partitioned input)."""
+        if node in self.mask_of or not any(_masks(s) for s in _flatten_specs(self.spmd(node).output) if isinstance(s, DTensorSpec)):
+            return
+        for arg in node.all_input_nodes:
+            if arg in self.mask_of:
+                self.mask_of[node] = self.mask_of[arg]
+                return
 
     def local_size_args(self, node: fx.Node, args: list, sharding: NodeSharding) -> tuple[Any, list]:
         """(op, args) with global sizes rewritten to this rank's local sizes where the output is sharded."""

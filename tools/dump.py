@@ -6,7 +6,8 @@ states). For each stage of the pipeline the dump folder gets one text file (form
 :mod:`spmd_expand.tools.graph_text`):
 
 ====================  ==============================================================================
-``1-traced.txt``      the global graph of the whole step (forward, backward, optimizer); global shapes
+``1-traced.txt``      the global graph of the whole step (forward, backward, optimizer) as propagation
+                      receives it (with the plan's markers, e.g. FSDP's re-gathers); global shapes
 ``2-annotated.txt``   the same graph with each node's output placements and the redistributions
                       its inputs need (``%x{P(sum)->R}``); global shapes
 ``3-expanded.txt``    the per-rank graph: collectives spliced in, sizes local; rank 0's local shapes
@@ -56,7 +57,13 @@ from ..models import MLP, GPTConfig, build_gpt
 from ..plans import Plan
 from ..spec import concrete, local_shape
 from ..trace import InputRole
-from .graph_text import NAME_CHARS, SUMMARY_FORMAT, DumpNode, format_graph_text, parse_graph_text
+from .graph_text import (
+    NAME_CHARS,
+    SUMMARY_FORMAT,
+    DumpNode,
+    format_graph_text,
+    parse_graph_text,
+)
 from .picture import render_html
 
 __all__ = [
@@ -64,12 +71,16 @@ __all__ = [
     "PlanChoice",
     "PLANS",
     "BUILTIN_JOBS",
+    "builtin_job",
     "STAGES",
+    "Stage",
     "Dump",
     "DumpError",
     "load_job",
     "mesh_shape",
     "fake_process_group",
+    "node_names",
+    "graph_dump_nodes",
     "dump_step",
     "run_dump",
     "write_dump",
@@ -139,6 +150,21 @@ def gpt_job(layers: int = 1) -> Job:
 BUILTIN_JOBS: dict[str, Callable[..., Job]] = {"mlp": mlp_job, "gpt": gpt_job}
 
 
+def builtin_job(model: str, layers: Optional[int] = None) -> tuple[Job, str]:
+    """The built-in job ``model`` (``--model``) and the source its dump header names (``model=gpt``).
+
+    Raises:
+        DumpError: unknown model, or ``layers`` for a model without layers.
+    """
+    if model not in BUILTIN_JOBS:
+        raise DumpError(f"unknown model {model!r}; one of {', '.join(BUILTIN_JOBS)}")
+    if layers is None:
+        return BUILTIN_JOBS[model](), f"model={model}"
+    if model != "gpt":
+        raise DumpError("--layers applies to --model gpt only")
+    return gpt_job(layers), f"model=gpt layers={layers}"
+
+
 def _as_job(result: Any, where: str) -> Job:
     if isinstance(result, tuple) and len(result) == 4:
         result = Job(*result)
@@ -170,9 +196,11 @@ def load_job(spec: str) -> Job:
         path = Path(module_name)
         if not path.is_file():
             raise DumpError(f"--job {spec!r}: no file {module_name}")
-        import_spec = importlib.util.spec_from_file_location(path.stem, path)
+        # A name of its own, so the file does not shadow an imported module of the same stem.
+        name = f"spmd_expand_job_{re.sub(r'[^A-Za-z0-9_]', '_', path.stem)}"
+        import_spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(import_spec)
-        sys.modules[path.stem] = module
+        sys.modules[name] = module
         import_spec.loader.exec_module(module)
     else:
         if os.getcwd() not in sys.path:
@@ -252,13 +280,19 @@ def fake_process_group(world_size: int) -> Iterator[None]:
 # ---------------------------------------------------------------------------------------- fx -> text
 @dataclass(frozen=True)
 class Stage:
+    """A stage of the pipeline as dumped: its name, its file in the dump folder, and what it shows."""
+
     name: str
     file: str
     description: str
 
 
 STAGES = (
-    Stage("traced", "1-traced.txt", "global graph of the whole step (forward, backward, optimizer); global shapes"),
+    Stage(
+        "traced",
+        "1-traced.txt",
+        "global graph of the whole step (forward, backward, optimizer) as propagation receives it; global shapes",
+    ),
     Stage(
         "annotated",
         "2-annotated.txt",
@@ -631,17 +665,15 @@ def _usage_error(message: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``spmd-expand dump``; returns the exit status (2 for bad input, printed to stderr)."""
-    if args.layers is not None and args.model != "gpt":
-        return _usage_error("--layers applies to --model gpt only")
     shape = args.mesh or (args.world_size or 2,)
     size = math.prod(shape)
     if args.world_size is not None and args.world_size != size:
         return _usage_error(f"--world-size {args.world_size} does not match --mesh {'x'.join(map(str, shape))} ({size} ranks)")
+    if args.job and args.layers is not None:
+        return _usage_error("--layers applies to --model gpt only")
     try:
-        if args.model and args.layers is not None:
-            job, source = gpt_job(args.layers), f"model=gpt layers={args.layers}"
-        elif args.model:
-            job, source = BUILTIN_JOBS[args.model](), f"model={args.model}"
+        if args.model:
+            job, source = builtin_job(args.model, args.layers)
         else:
             job, source = load_job(args.job), f"job={args.job}"
         dump = run_dump(job, args.plan, shape, source)

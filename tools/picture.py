@@ -54,7 +54,13 @@ CATEGORY_COLOURS = {
     "output": "#111111",
     **KIND_COLOURS,
 }
-_BYTES_PER_ELEMENT = {"f64": 8, "i64": 8, "c64": 8, "c128": 16, "f32": 4, "i32": 4, "u32": 4, "f16": 2, "bf16": 2, "i16": 2, "u16": 2}
+# Element sizes of torch's dtype abbreviations (torch.fx.graph.dtype_abbrs); the rest are 1 byte.
+_BYTES_PER_ELEMENT = {
+    **dict.fromkeys(("c128",), 16),
+    **dict.fromkeys(("f64", "i64", "u64", "c64"), 8),
+    **dict.fromkeys(("f32", "i32", "u32", "c32"), 4),
+    **dict.fromkeys(("f16", "bf16", "i16", "u16"), 2),
+}
 _TENSOR = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
 
 
@@ -120,25 +126,31 @@ def _neighbourhood(g: nx.DiGraph, name: str, hops: int = 2, width: int = 4) -> s
     return keep
 
 
-_BOX_W, _BOX_H, _COL_W, _ROW_H = 178, 38, 236, 52
+_BOX_W, _BOX_H, _COL_W, _ROW_H = 178, 38, 278, 52
 
 
 def _card_svg(g: nx.DiGraph, name: str) -> str:
+    index = lambda n: g.nodes[n]["index"]  # noqa: E731
     sub = g.subgraph(_neighbourhood(g, name))
-    layers = [sorted(layer, key=lambda n: g.nodes[n]["index"]) for layer in nx.topological_generations(sub)]
+    # Sets order strings differently in every process; graph order keeps the page deterministic.
+    layers = [sorted(layer, key=index) for layer in nx.topological_generations(sub)]
     pos = {n: (12 + col * _COL_W, 10 + row * _ROW_H) for col, layer in enumerate(layers) for row, n in enumerate(layer)}
     width = 24 + (len(layers) - 1) * _COL_W + _BOX_W
     height = 20 + max(len(layer) for layer in layers) * _ROW_H
     parts = [f'<svg width="{width}" height="{height}" viewBox="0 0 {width} {height}">']
-    for src, dst in sub.edges:
+    for src, dst in sorted(sub.edges, key=lambda e: (index(e[0]), index(e[1]))):
         (x1, y1), (x2, y2) = pos[src], pos[dst]
         x1, y1, y2 = x1 + _BOX_W, y1 + _BOX_H / 2, y2 + _BOX_H / 2
         mid = (x1 + x2) / 2
         parts.append(f'<path class="edge" d="M{x1},{y1} C{mid},{y1} {mid},{y2} {x2 - 3},{y2}" marker-end="url(#arrow)"/>')
+    # Every edge out of a node carries the same value, so its placements are written once, where the edges leave.
+    for src in sorted(sub, key=index):
         label = g.nodes[src]["line"].placements
-        if label != "-":
-            parts.append(f'<text class="edge-label" x="{mid}" y="{(y1 + y2) / 2 - 3}">{_esc(_clip(label, 26))}</text>')
-    for n, (x, y) in pos.items():
+        if label != "-" and sub.out_degree(src):
+            x, y = pos[src]
+            text = _esc(_clip(label, 15))
+            parts.append(f'<text class="edge-label" x="{x + _BOX_W + 5}" y="{y + _BOX_H / 2 - 4}">{text}</text>')
+    for n, (x, y) in sorted(pos.items(), key=lambda item: index(item[0])):
         node: DumpNode = g.nodes[n]["line"]
         category = g.nodes[n]["category"]
         stroke = ' stroke="#000" stroke-width="2"' if n == name else ""
@@ -199,14 +211,22 @@ h1 { font-size: 20px; } h2 { font-size: 16px; margin-top: 28px; }
 table { border-collapse: collapse; } td, th { padding: 2px 10px; text-align: right; border-bottom: 1px solid #ddd; }
 th:first-child, td:first-child { text-align: left; }
 code, .box, .sub, .edge-label, .axis { font-family: ui-monospace, monospace; }
-.legend span { display: inline-block; margin-right: 12px; } .legend i { display: inline-block; width: 11px; height: 11px; margin-right: 4px; vertical-align: -1px; }
+.legend span { display: inline-block; margin-right: 12px; }
+.legend i { display: inline-block; width: 11px; height: 11px; margin-right: 4px; vertical-align: -1px; }
 .card { border: 1px solid #ddd; border-radius: 6px; padding: 8px 12px; margin: 12px 0; overflow-x: auto; }
 .card h3 { font-size: 14px; margin: 0 0 6px; font-weight: 600; }
 .box { font-size: 11px; fill: #111; } .sub { font-size: 10px; fill: #333; } .dark { fill: #fff; }
 .edge { fill: none; stroke: #777; stroke-width: 1.2; }
-.edge-label { font-size: 10px; fill: #a01010; text-anchor: middle; paint-order: stroke; stroke: #fff; stroke-width: 3px; }
+.edge-label { font-size: 10px; fill: #a01010; paint-order: stroke; stroke: #fff; stroke-width: 3px; }
 .axis { font-size: 10px; fill: #666; }
 """
+
+
+# Referenced by every card's edges (url(#arrow)); defined once for the page.
+_ARROW_DEFS = (
+    '<svg width="0" height="0" style="position:absolute"><defs><marker id="arrow" viewBox="0 0 10 10" refX="9" '
+    'refY="5" markerWidth="7" markerHeight="7" orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="#777"/></marker></defs></svg>'
+)
 
 
 def _table(rows: list[tuple], head: tuple) -> str:
@@ -223,16 +243,20 @@ def render_html(graph: GraphDump, summary: Optional[dict[str, Any]] = None) -> s
     """
     g = to_networkx(graph)
     collectives = [n.name for n in graph.nodes if g.nodes[n.name]["category"] in KIND_COLOURS]
-    table = (summary or {}).get("collectives_per_step") or {k: {"count": c, "bytes": b} for k, (c, b) in graph.collectives.items()}
+    table = (summary or {}).get("collectives_per_step") or {
+        k: {"count": c, "bytes": b} for k, (c, b) in graph.collectives.items()
+    }
     out = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
         f"<title>spmd-expand dump: {_esc(graph.header.get('job', graph.source))}</title><style>{_CSS}</style></head><body>",
-        '<svg width="0" height="0" style="position:absolute"><defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" '
-        'markerWidth="7" markerHeight="7" orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="#777"/></marker></defs></svg>',
+        _ARROW_DEFS,
         f"<h1>{_esc(graph.header.get('stage', 'graph'))}: <code>{_esc(graph.header.get('job', graph.source))}</code></h1>",
         f"<p>{_esc(graph.header.get('description', ''))}; {_esc(graph.header.get('step', ''))}; {len(graph.nodes)} nodes.</p>",
         "<h2>Collectives per step (this rank)</h2>",
-        _table([(k, f"{v['count']:,}", f"{v['bytes']:,}") for k, v in sorted(table.items())] or [("none", 0, 0)], ("kind", "count", "bytes")),
+        _table(
+            [(k, f"{v['count']:,}", f"{v['bytes']:,}") for k, v in sorted(table.items())] or [("none", 0, 0)],
+            ("kind", "count", "bytes"),
+        ),
     ]
     if summary:
         stages = ", ".join(f"{name} {s['nodes']}" for name, s in summary.get("stages", {}).items())
@@ -252,8 +276,10 @@ def render_html(graph: GraphDump, summary: Optional[dict[str, Any]] = None) -> s
         "<p>Rows read left to right, top to bottom. Hover a square for its line; collectives (outlined) link to their card.</p>",
         _map_svg(g, graph),
         "<h2>Collectives and their neighbourhood</h2>",
-        "<p>Two hops of producers and consumers; each edge is labelled with the placements of the value it carries "
-        "(<code>SRC-&gt;DST</code> on values a redistribution produced).</p>",
+        (
+            "<p>Two hops of producers and consumers; each edge is labelled with the placements of the value it "
+            "carries (<code>SRC-&gt;DST</code> on values a redistribution produced).</p>"
+        ),
     ]
     for name in collectives[:MAX_CARDS]:
         node: DumpNode = g.nodes[name]["line"]
