@@ -16,7 +16,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 __all__ = [
-    "AS_PRODUCED","NodeSharding", "concrete", "tensor_meta", "tensor_spec", "local_shape", "local_offset", "replicate"]
+    "AS_PRODUCED",
+    "local_slice","NodeSharding", "concrete", "tensor_meta", "tensor_spec", "local_shape", "local_offset", "replicate"]
 
 
 @dataclass
@@ -76,6 +77,16 @@ def local_offset(spec: DTensorSpec) -> list[int]:
     """Global index of this rank's first element along each dim."""
     _, offset = compute_local_shape_and_global_offset(spec.tensor_meta.shape, spec.mesh, spec.placements)
     return list(offset)
+
+
+def local_slice(tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> torch.Tensor:
+    """This rank's part of a global ``tensor`` (e.g. a batch) under ``placements`` on ``mesh``.
+
+    The chunking is DTensor's (``compute_local_shape_and_global_offset``); no communication.
+    Returns a view of ``tensor``.
+    """
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, tuple(placements))
+    return tensor[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
 def local_shape(spec: DTensorSpec) -> list[int]:

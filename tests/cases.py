@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 import spmd_expand as spmd
 from spmd_expand.data import shard
 from spmd_expand.plans import resolve_plan
+from spmd_expand.spec import local_slice
 from spmd_expand.models import MLP, GPTConfig, build_gpt
 
 GLOBAL_BATCH = 8
@@ -309,12 +310,7 @@ def make_mesh(plan: str, world: int):
     return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=names)
 
 
-def local_batch(t: torch.Tensor, mesh, placements) -> torch.Tensor:
-    """This rank's part of a global batch tensor under ``placements`` (DTensor's chunking rule)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
-    return t[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
 def run_case(case: Case, mesh, rank: int, world: int, steps: int, lower: str, plan: str = "ddp") -> dict:
@@ -329,7 +325,7 @@ def run_case(case: Case, mesh, rank: int, world: int, steps: int, lower: str, pl
     for i in range(steps):
         batch = case.batch(torch.Generator().manual_seed(100 + i))
         ref_losses.append(case.step(reference, ref_optimizer, *batch).detach())
-        local = [local_batch(t, mesh, resolved.batch_placements(t)) for t in batch]
+        local = [local_slice(t, mesh, resolved.batch_placements(t)) for t in batch]
         losses.append(step(model, optimizer, *local).detach())
     return {
         "losses": torch.stack(losses),

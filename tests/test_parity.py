@@ -97,8 +97,16 @@ def test_fsdp_inductor_world2(results, name):
     check(results(2, "inductor", FSDP_INDUCTOR_W2, "fsdp"), name)
 
 
-TP_W2 = ["mlp_sgd", "mlp_adamw_foreach", "mlp_adam_fused", "mlp_uneven", "mlp_microbatch", "gpt_megatron_blocks"]
-TWO_D_W4 = ["mlp_adamw_foreach", "mlp_uneven", "gpt_megatron_blocks"]
+TP_W2 = [
+    "mlp_sgd",
+    "mlp_adamw_foreach",
+    "mlp_adam_fused",
+    "mlp_uneven",
+    "mlp_microbatch",
+    "gpt_megatron_blocks",
+    "gpt_adamw",  # + vocab-parallel embedding and column-wise head
+]
+TWO_D_W4 = ["mlp_adamw_foreach", "mlp_uneven", "gpt_adamw"]
 
 
 @pytest.mark.parametrize("name", TP_W2)

@@ -73,3 +73,21 @@ def test_heads_per_rank_come_from_sharded_sizes(fake_mesh):
     ]
     assert views, "no head-splitting view in the local graph"
     assert all(n.args[1][2] == heads // world for n in views), [n.args[1] for n in views]
+
+
+def test_vocab_parallel_embedding_and_head_gather_no_weight(fake_mesh):
+    """Row-wise embedding and column-wise head (tied, both Shard(0) over the vocabulary)."""
+    step, model = compile_gpt(fake_mesh, cases.GPT_TP)
+    assert model.tok_emb.weight.placements == (Shard(0),) and model.head.weight is model.tok_emb.weight
+    forward, backward = collectives(step, C10D.all_reduce.default)
+    activation = (2, cases.GPT_CONFIG.block_size, cases.GPT_CONFIG.n_embd)
+    # The embedding's masked partial lookup is summed once, then Megatron's two per block.
+    assert [tuple(n.meta["val"].shape) for n in forward] == [activation] * (1 + 2 * LAYERS)
+    gathers = [n for n in step.last.local_graph.graph.nodes if n.target is C10D.all_gather_into_tensor.default]
+    # Only the vocab-sharded logits are gathered before the loss; never a weight.
+    assert len(gathers) == 1
+    source = gathers[0].args[0]
+    while source.op == "call_function" and len(source.all_input_nodes) == 1:
+        source = source.all_input_nodes[0]
+    assert source.op != "placeholder", "a parameter is all-gathered"
+    assert gathers[0].meta["val"].numel() == 2 * cases.GPT_CONFIG.block_size * cases.GPT_CONFIG.vocab_size
