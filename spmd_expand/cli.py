@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import fields
 from typing import Optional, Sequence
 
 from .tools import diff as diff_tool
 from .tools import dump as dump_tool
+from .presets import mesh_shape, preset
 from .train import PLANS, TrainConfig, train_worker
 
 __all__ = ["main"]
@@ -26,7 +28,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
         "parameter difference from the same steps run on one process over the global batch.",
     )
     p.add_argument("--plan", choices=PLANS, default=defaults.plan)
-    p.add_argument("--world-size", type=int, default=2, help="local ranks to spawn (ignored under torchrun)")
+    p.add_argument("--world-size", type=int, default=None, help="local ranks to spawn (default: the mesh's size, or 2; ignored under torchrun)")
+    p.add_argument("--mesh", type=mesh_shape, default=None, metavar="SHAPE", help="mesh shape, e.g. 2x2 for 2-D plans (default: 1-D over all ranks)")
     p.add_argument("--steps", type=int, default=defaults.steps)
     p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="global batch (sequences per step)")
     p.add_argument("--block-size", type=int, default=defaults.block_size, help="sequence length in characters")
@@ -47,6 +50,13 @@ def _run_train(args: argparse.Namespace) -> int:
     from .launch import init_from_env, is_distributed_launch, run_local
 
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
+    needed = len(preset(cfg.plan).mesh_dim_names)
+    if cfg.mesh is None and needed > 1:
+        cfg.mesh = (2, 2)  # the smallest 2-D mesh
+    if args.world_size is None:
+        args.world_size = math.prod(cfg.mesh) if cfg.mesh else 2
+    elif cfg.mesh and math.prod(cfg.mesh) != args.world_size:
+        raise SystemExit(f"--world-size {args.world_size} does not match --mesh {'x'.join(map(str, cfg.mesh))}")
     if cfg.parity_steps > cfg.steps:
         cfg.parity_steps = cfg.steps
     if is_distributed_launch():

@@ -40,6 +40,12 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
 
+    def tensor_parallel_plan(self) -> dict:
+        """Megatron's MLP: ``fc1`` column-wise, ``fc2`` row-wise (for :class:`spmd_expand.TensorParallel`)."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        return {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+
 
 @dataclass
 class GPTConfig:
@@ -158,6 +164,24 @@ class GPT(nn.Module):
             return logits
         return F.cross_entropy(logits.view(B * T, -1), targets.view(-1))
 
+
+    def tensor_parallel_plan(self, vocab_parallel: bool = True) -> dict:
+        """Megatron-LM's plan (for :class:`spmd_expand.TensorParallel`): q/k/v and fc1 column-wise,
+        out-proj and fc2 row-wise; with ``vocab_parallel`` also a row-wise (vocab-sharded) token
+        embedding and the tied head column-wise, both ``Shard(0)`` over the vocabulary."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        plan = {
+            "layers.*.attn.q_proj": ColwiseParallel(),
+            "layers.*.attn.k_proj": ColwiseParallel(),
+            "layers.*.attn.v_proj": ColwiseParallel(),
+            "layers.*.attn.out_proj": RowwiseParallel(),
+            "layers.*.mlp.fc1": ColwiseParallel(),
+            "layers.*.mlp.fc2": RowwiseParallel(),
+        }
+        if vocab_parallel:
+            plan.update({"tok_emb": RowwiseParallel(), "head": ColwiseParallel()})
+        return plan
 
 def build_gpt(config: GPTConfig | None = None, seed: int = 0) -> GPT:
     """Build a :class:`GPT` whose initial weights depend only on ``config`` and ``seed``.

@@ -9,6 +9,7 @@ one process over the global batch and prints the largest parameter difference (t
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import asdict, dataclass
 from typing import Optional
@@ -16,18 +17,20 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import spmd_expand as spmd
 
-from .data import CharTokenizer, TextBatches, load_text, shard
+from .data import CharTokenizer, TextBatches, load_text
 from .graph_stats import collective_stats
 from .models import GPTConfig, build_gpt
+from .plans import resolve_plan
+from .presets import PRESETS, preset, preset_mesh
+from .spec import local_slice
 
 __all__ = ["TrainConfig", "train_worker", "PLANS"]
 
-PLANS = ("ddp", "fsdp", "fsdp-keep")
+PLANS = tuple(PRESETS)
 
 
 @dataclass
@@ -35,6 +38,8 @@ class TrainConfig:
     """Settings of one training run; sizes are global (the batch is split across ranks)."""
 
     plan: str = "ddp"
+    # Mesh shape; None: a 1-D mesh of all ranks.
+    mesh: Optional[tuple[int, ...]] = None
     steps: int = 200
     batch_size: int = 16
     block_size: int = 64
@@ -49,18 +54,6 @@ class TrainConfig:
     lower: str = "inductor"
     parity_steps: int = 3
     progress: bool = True
-
-
-def make_plan(name: str) -> spmd.ParallelStyle:
-    """``ddp``; ``fsdp`` (reshard after forward); ``fsdp-keep`` (keep gathered parameters)."""
-    plans = {
-        "ddp": spmd.DDP,
-        "fsdp": spmd.FSDP,
-        "fsdp-keep": lambda: spmd.FSDP(reshard_after_forward=False),
-    }
-    if name not in plans:
-        raise spmd.PlanError(f"--plan {name!r} is not one of {PLANS}")
-    return plans[name]()
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -83,9 +76,10 @@ def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     """Train on this rank; returns a summary (losses, throughput, collectives, parity) on every rank."""
     device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-    mesh = init_device_mesh(device, (world_size,))
-    if cfg.batch_size % world_size:
-        raise spmd.PlanError(f"--batch-size {cfg.batch_size} must be divisible by the world size {world_size}")
+    shape = tuple(cfg.mesh or (world_size,))
+    if math.prod(shape) != world_size:
+        raise spmd.PlanError(f"--mesh {'x'.join(map(str, shape))} does not have {world_size} ranks")
+    mesh = preset_mesh(cfg.plan, shape, device)
 
     text = load_text(cfg.data, cfg.max_chars)
     tokenizer = CharTokenizer(text, cfg.vocab_size)
@@ -96,7 +90,9 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     model = build_gpt(gpt_config, seed=cfg.seed).to(device)
     initial = copy.deepcopy(model)
     optimizer = _optimizer(model, cfg.lr)
-    step = spmd.compile(mesh=mesh, plan=make_plan(cfg.plan), lower=cfg.lower)(train_step)
+    plan = preset(cfg.plan).build(model)
+    step = spmd.compile(mesh=mesh, plan=plan, lower=cfg.lower)(train_step)
+    batch_placements = resolve_plan(plan, mesh, model).batch_placements
 
     bar = None
     if rank == 0 and cfg.progress:
@@ -108,7 +104,8 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     tokens_per_step = cfg.batch_size * cfg.block_size
     for i in range(cfg.steps):
         x, y = batches.batch(i)
-        x, y = shard(x, rank, world_size).to(device), shard(y, rank, world_size).to(device)
+        x = local_slice(x, mesh, batch_placements(x)).to(device)
+        y = local_slice(y, mesh, batch_placements(y)).to(device)
         seen = len(step.cache)
         start = time.perf_counter()
         loss = step(model, optimizer, x, y)

@@ -43,3 +43,20 @@ def test_train_ddp_reports_parity(tmp_path, capsys):
     kinds = summary["collectives_per_step"]
     assert set(kinds) == {"all_reduce"}, kinds
     assert kinds["all_reduce"]["bytes"] > 0
+
+
+def test_train_fsdp_tp_on_2x2_mesh(tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("for i in range(10):\n    print(i)\n" * 400)
+    out = tmp_path / "summary.json"
+    code = main(
+        ["train", "--plan", "fsdp+tp", "--mesh", "2x2", "--steps", "3", "--layers", "1", "--embd", "32",
+         "--block-size", "16", "--batch-size", "8", "--lower", "eager", "--data", str(corpus),
+         "--parity-steps", "2", "--no-progress", "--json", str(out)]
+    )
+    assert code == 0
+    assert "(OK)" in capsys.readouterr().out
+    summary = json.loads(out.read_text())
+    assert summary["world_size"] == 4 and summary["parity_max_abs_diff"] < 1e-4
+    kinds = summary["collectives_per_step"]
+    assert {"all_gather", "reduce_scatter", "all_reduce"} <= set(kinds)

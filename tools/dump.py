@@ -54,7 +54,8 @@ from ..dsymint import DSymInt, local_strides
 from ..expand import RedistributeCache, expand
 from ..graph_stats import annotate_local_values, collective_stats, peak_live_bytes
 from ..models import MLP, GPTConfig, build_gpt
-from ..plans import Plan
+from ..errors import PlanError
+from ..presets import PRESETS, Preset, mesh_shape, preset
 from ..spec import concrete, local_shape
 from ..trace import InputRole
 from .graph_text import (
@@ -68,8 +69,6 @@ from .picture import render_html
 
 __all__ = [
     "Job",
-    "PlanChoice",
-    "PLANS",
     "BUILTIN_JOBS",
     "builtin_job",
     "STAGES",
@@ -216,44 +215,17 @@ def load_job(spec: str) -> Job:
 
 
 # ---------------------------------------------------------------------------------------- plans and mesh
-@dataclass(frozen=True)
-class PlanChoice:
-    """A ``--plan`` name: the mesh dims it needs, by name and in order, and how to build it for a model."""
-
-    mesh_dim_names: tuple[str, ...]
-    build: Callable[[nn.Module], Plan]
-    help: str
-
-
-# One entry per plan. A 2-D plan names two mesh dims, e.g. ("dp", "tp") for
-# {"dp": spmd.FSDP(), "tp": spmd.TensorParallel({...})}, and is dumped with --mesh AxB.
-PLANS: dict[str, PlanChoice] = {
-    "ddp": PlanChoice(("dp",), lambda model: spmd.DDP(), "parameters Replicate(), gradients all-reduced"),
-    "fsdp": PlanChoice(("dp",), lambda model: spmd.FSDP(), "parameters Shard(0), re-gathered for backward"),
-    "fsdp-keep": PlanChoice(
-        ("dp",), lambda model: spmd.FSDP(reshard_after_forward=False), "FSDP keeping gathered parameters for backward"
-    ),
-}
-
-
-def _plan_choice(plan_name: str, shape: tuple[int, ...]) -> PlanChoice:
-    if plan_name not in PLANS:
-        raise DumpError(f"unknown plan {plan_name!r}; one of {', '.join(PLANS)}")
-    choice = PLANS[plan_name]
+def _plan_choice(plan_name: str, shape: tuple[int, ...]) -> Preset:
+    try:
+        choice = preset(plan_name)
+    except PlanError as e:
+        raise DumpError(str(e)) from None
     if len(shape) != len(choice.mesh_dim_names):
         raise DumpError(
             f"plan {plan_name} needs a {len(choice.mesh_dim_names)}-D mesh ({', '.join(choice.mesh_dim_names)}); "
             f"got mesh shape {'x'.join(map(str, shape))}"
         )
     return choice
-
-
-def mesh_shape(text: str) -> tuple[int, ...]:
-    """Parse ``--mesh``: ``"8"`` -> ``(8,)``, ``"2x4"`` -> ``(2, 4)`` (argparse ``type``)."""
-    parts = text.lower().split("x")
-    if not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a mesh shape like 8 or 2x4")
-    return tuple(int(p) for p in parts)
 
 
 @contextlib.contextmanager
@@ -510,7 +482,7 @@ def _mesh_label(mesh: DeviceMesh, dim_names: Sequence[str]) -> str:
 
 
 def dump_step(job: Job, plan_name: str, mesh: DeviceMesh, source: str) -> Dump:
-    """Compile ``job`` under ``PLANS[plan_name]`` on ``mesh``, run it :data:`STEP_CALLS` times, and
+    """Compile ``job`` under the preset ``plan_name`` on ``mesh``, run it :data:`STEP_CALLS` times, and
     render every stage of the last call's compilation.
 
     ``mesh`` may be over a fake process group (collectives are no-ops; only graphs are read).
@@ -647,9 +619,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--plan",
-        choices=list(PLANS),
+        choices=list(PRESETS),
         default="ddp",
-        help="; ".join(f"{name}: {c.help}" for name, c in PLANS.items()),
+        help="; ".join(f"{name}: {c.help}" for name, c in PRESETS.items()),
     )
     p.add_argument("--mesh", type=mesh_shape, metavar="SHAPE", help="mesh shape, e.g. 8 or 2x4 (default: --world-size)")
     p.add_argument("--world-size", type=int, metavar="W", help="number of (fake) ranks; default 2, or the mesh's size")
