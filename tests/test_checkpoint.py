@@ -54,3 +54,18 @@ def test_load_full_state_dict_before_first_call(saved):
     assert out[0]["loss"] == pytest.approx(ref_loss, rel=1e-4, abs=1e-5)
     for k, v in model.named_parameters():
         torch.testing.assert_close(out[0]["params"][k], v.detach(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def saved_2d(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ckpt") / "fsdp_tp_2x2")
+    return path, run_local(w.train_and_save, 4, path, "fsdp+tp", timeout_s=600)
+
+
+@pytest.mark.parametrize("world,plan", [(4, "fsdp+tp"), (2, "fsdp"), (1, "ddp")], ids=["fsdp+tp_2x2", "fsdp_w2", "ddp_w1"])
+def test_2d_checkpoint_resumes_under_any_plan(saved_2d, world, plan):
+    path, results = saved_2d
+    resumed = run_local(w.load_and_continue, world, path, plan, timeout_s=600)[0]
+    torch.testing.assert_close(
+        torch.tensor(resumed["losses_after"]), torch.tensor(results[0]["losses_after"]), rtol=1e-4, atol=1e-5
+    )
