@@ -45,6 +45,9 @@ CASES = [
     GoldenCase("gpt", "ddp", "8"),
     GoldenCase("mlp", "fsdp", "2"),
     GoldenCase("gpt", "fsdp", "2"),
+    GoldenCase("gpt", "tp", "2"),
+    GoldenCase("mlp", "fsdp+tp", "2x2"),
+    GoldenCase("gpt", "hsdp", "2x2"),
 ]
 
 
