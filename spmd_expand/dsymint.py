@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
-from torch.distributed.tensor import Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+from .spec import shards_dim
 
 __all__ = ["DSymInt", "SYM_SOURCE_OPS", "SYM_ARITHMETIC", "from_size_node", "apply_arithmetic", "local_strides"]
 
@@ -66,7 +67,7 @@ def from_size_node(op, spec: DTensorSpec, local_shape: Sequence[int], args: Sequ
     """DSymInt of ``sym_size(x, dim)``, ``sym_numel(x)`` or ``sym_stride(x, dim)`` for ``x`` with ``spec``."""
     shape = spec.tensor_meta.shape
     sharded_on = {
-        d: tuple(m for m, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim % max(len(shape), 1) == d)
+        d: tuple(m for m, p in enumerate(spec.placements) if shards_dim(p) and p.dim % max(len(shape), 1) == d)
         for d in range(len(shape))
     }
     if op is aten.sym_size.int:

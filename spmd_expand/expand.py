@@ -14,14 +14,15 @@ Size arguments are rewritten to local sizes from the output's placement (see
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.tensor import Shard
-from torch.distributed.tensor.placement_types import _MaskPartial
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.fx._lazy_graph_module import _LazyGraphModule
@@ -30,7 +31,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .dsymint import DSymInt, local_strides
 from .ops import GRADIENT, LAYOUT, UNSHARD
 from .rules import SIZE_ARG
-from .spec import NodeSharding, local_offset, local_shape
+from .spec import NodeSharding, local_offset, local_shape, shards_dim
 
 __all__ = ["expand", "RedistributeCache"]
 
@@ -46,6 +47,37 @@ def _fresh_masks(spec: DTensorSpec) -> DTensorSpec:
         for p in spec.placements
     )
     return DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
+
+
+def _strided_to_replicate(src: DTensorSpec, dst: DTensorSpec) -> Optional[Callable]:
+    """A traceable ``_StridedShard(d, sf) -> Replicate()`` on one mesh dim, for even sizes; else None.
+
+    DTensor's own path computes shard offsets with ``.tolist()``, which cannot be traced on fake
+    tensors in torch 2.13. With even sizes the layout is simple: dim d, viewed as [sf, W, c], holds
+    [:, rank, :] on each rank, so an all-gather of the sf pieces and an interleave restore it.
+    """
+    changed = [m for m, (a, b) in enumerate(zip(src.placements, dst.placements)) if a != b]
+    if len(changed) != 1:
+        return None
+    m = changed[0]
+    strided, target = src.placements[m], dst.placements[m]
+    if not isinstance(strided, _StridedShard) or not isinstance(target, Replicate):
+        return None
+    if any(isinstance(p, (Shard, _StridedShard)) and p.dim == strided.dim for i, p in enumerate(src.placements) if i != m):
+        return None
+    size, dim, pieces = src.mesh.size(m), strided.dim, strided.split_factor
+    if src.tensor_meta.shape[dim] % (pieces * size):
+        return None
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        x = t.movedim(dim, 0)
+        rest = x.shape[1:]
+        chunk = x.shape[0] // pieces
+        gathered = funcol.all_gather_tensor(x.contiguous(), gather_dim=0, group=(src.mesh, m))
+        full = gathered.reshape(size, pieces, chunk, *rest).transpose(0, 1).reshape(size * pieces * chunk, *rest)
+        return full.movedim(0, dim)
+
+    return fn
 
 
 def _masks(spec: DTensorSpec) -> list:
@@ -91,6 +123,8 @@ class RedistributeCache:
                     return out, _masks(dst)[0].mask_buffer.data
 
                 gm = make_fx(fn, tracing_mode="fake")(example)
+            elif (strided := _strided_to_replicate(src, dst)) is not None:
+                gm = make_fx(strided, tracing_mode="fake")(example)
             else:
                 gm = make_fx(lambda t: redistribute_local_tensor(t, src, dst), tracing_mode="fake")(example)
             self._graphs[key] = gm
@@ -248,7 +282,7 @@ class _Expander:
             sizes = [local_shape(piece)[dim] for piece in out]
             args[1] = sizes[0] if target is aten.split.Tensor else sizes
             return target, args
-        if not isinstance(out, DTensorSpec) or all(not isinstance(p, Shard) for p in out.placements):
+        if not isinstance(out, DTensorSpec) or not any(shards_dim(p) for p in out.placements):
             return target, args
         shape = local_shape(out)
         if target in SIZE_ARG:

@@ -11,13 +11,15 @@ from typing import Any, Optional, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Replicate
+from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 __all__ = [
     "AS_PRODUCED",
-    "local_slice","NodeSharding", "concrete", "tensor_meta", "tensor_spec", "local_shape", "local_offset", "replicate"]
+    "local_slice",
+    "shards_dim","NodeSharding", "concrete", "tensor_meta", "tensor_spec", "local_shape", "local_offset", "replicate"]
 
 
 @dataclass
@@ -77,6 +79,11 @@ def local_offset(spec: DTensorSpec) -> list[int]:
     """Global index of this rank's first element along each dim."""
     _, offset = compute_local_shape_and_global_offset(spec.tensor_meta.shape, spec.mesh, spec.placements)
     return list(offset)
+
+
+def shards_dim(placement: Placement) -> bool:
+    """Whether ``placement`` splits a tensor dim: ``Shard`` or ``_StridedShard`` (not a subclass of it)."""
+    return isinstance(placement, (Shard, _StridedShard))
 
 
 def local_slice(tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> torch.Tensor:

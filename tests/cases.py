@@ -254,12 +254,32 @@ GPT_CONFIG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd
 MLP_TP = MLP().tensor_parallel_plan()
 GPT_TP = build_gpt(GPT_CONFIG).tensor_parallel_plan()  # Megatron + vocab-parallel embedding/head
 
+def _sequence_parallel_plan() -> dict:
+    """Megatron sequence parallelism: LayerNorms sharded on the sequence dim, row-wise outputs
+    reduce-scattered to it and column-wise inputs all-gathered from it."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    plan = dict(GPT_TP)
+    plan.update({
+        "tok_emb": RowwiseParallel(output_layouts=Shard(1)),
+        "layers.*.ln1": SequenceParallel(),
+        "layers.*.attn.out_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "layers.*.ln2": SequenceParallel(),
+        "layers.*.mlp.fc2": RowwiseParallel(output_layouts=Shard(1)),
+        "ln_f": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1)),
+    })
+    return plan
+
+
 CASES: dict[str, Case] = {
     **{f"mlp_{name}": Case(MLP, name, _xy, cross_entropy_step, MLP_TP) for name in OPTIMIZERS},
     "mlp_microbatch": Case(MLP, "adamw_foreach", _xy, microbatch_step, MLP_TP),
     # 33 and 5 rows do not divide by 2 or 4: uneven Shard(0) under FSDP.
     "mlp_uneven": Case(lambda: MLP(16, 33, 5), "adamw_foreach", lambda g: (torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randint(0, 5, (GLOBAL_BATCH,), generator=g)), cross_entropy_step, MLP_TP),
     "gpt_adamw": Case(lambda: build_gpt(GPT_CONFIG, seed=0), "adamw_gpt", _tokens, gpt_step, GPT_TP),
+    "gpt_sequence_parallel": Case(lambda: build_gpt(GPT_CONFIG, seed=0), "adamw_gpt", _tokens, gpt_step, _sequence_parallel_plan()),
     "gpt_megatron_blocks": Case(lambda: build_gpt(GPT_CONFIG, seed=0), "adamw_gpt", _tokens, gpt_step, {k: v for k, v in GPT_TP.items() if k.startswith("layers")}),
     "log_softmax": Case(LogSoftmaxModel, "sgd", _xy, nll_step),
     "nll_loss": Case(NllLossModel, "sgd_momentum", _xy, nll_step),

@@ -105,6 +105,7 @@ TP_W2 = [
     "mlp_microbatch",
     "gpt_megatron_blocks",
     "gpt_adamw",  # + vocab-parallel embedding and column-wise head
+    "gpt_sequence_parallel",  # + SequenceParallel LayerNorms, reduce-scattered row-wise outputs
 ]
 TWO_D_W4 = ["mlp_adamw_foreach", "mlp_uneven", "gpt_adamw"]
 
