@@ -31,17 +31,10 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import spmd_expand as spmd
 from spmd_expand.models import GPTConfig, build_gpt
+from spmd_expand.models import language_model_step as step
 
 WORLD = 8
 BATCH, BLOCK = 16, 32
-
-
-def step(model, optimizer, idx, targets):
-    loss = model(idx, targets)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
 
 
 def ours(layers: int, mesh) -> dict:

@@ -191,3 +191,25 @@ def build_gpt(config: GPTConfig | None = None, seed: int = 0) -> GPT:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return GPT(config if config is not None else GPTConfig())
+
+
+def classification_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """An ordinary single-device train step: cross-entropy of ``model(x)`` (B, C) against ``y`` (B,),
+    backward, optimizer step, zero_grad. Returns the scalar loss."""
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def language_model_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, idx: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    """An ordinary single-device train step for :class:`GPT`: ``model(idx, targets)`` (B, T) ids ->
+    mean next-token loss, backward, optimizer step, zero_grad. Returns the scalar loss."""
+    loss = model(idx, targets)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss

@@ -23,7 +23,7 @@ import spmd_expand as spmd
 
 from .data import CharTokenizer, TextBatches, load_text
 from .graph_stats import collective_stats
-from .models import GPTConfig, build_gpt
+from .models import GPTConfig, build_gpt, language_model_step
 from .plans import resolve_plan
 from .presets import PRESETS, preset, preset_mesh
 from .spec import local_slice
@@ -56,14 +56,6 @@ class TrainConfig:
     progress: bool = True
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """One ordinary single-device step: forward, backward, AdamW update."""
-    loss = model(idx, targets)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
-
 
 def _optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, foreach=True)
@@ -91,7 +83,7 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     initial = copy.deepcopy(model)
     optimizer = _optimizer(model, cfg.lr)
     plan = preset(cfg.plan).build(model)
-    step = spmd.compile(mesh=mesh, plan=plan, lower=cfg.lower)(train_step)
+    step = spmd.compile(mesh=mesh, plan=plan, lower=cfg.lower)(language_model_step)
     batch_placements = resolve_plan(plan, mesh, model).batch_placements
 
     bar = None
@@ -148,5 +140,5 @@ def _replay_single_device(model: nn.Module, batches: TextBatches, cfg: TrainConf
     optimizer = _optimizer(model, cfg.lr)
     for i in range(cfg.parity_steps):
         x, y = batches.batch(i)
-        train_step(model, optimizer, x.to(device), y.to(device))
+        language_model_step(model, optimizer, x.to(device), y.to(device))
     return max((snapshot[k] - v.detach()).abs().max().item() for k, v in model.named_parameters())

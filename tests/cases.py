@@ -21,25 +21,13 @@ import spmd_expand as spmd
 from spmd_expand.data import shard
 from spmd_expand.plans import resolve_plan
 from spmd_expand.spec import local_slice
-from spmd_expand.models import MLP, GPTConfig, build_gpt
+from spmd_expand.models import MLP, GPTConfig, build_gpt, classification_step, language_model_step
 
 GLOBAL_BATCH = 8
 
 
-def cross_entropy_step(model, optimizer, x, y):
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
-
-
-def gpt_step(model, optimizer, idx, targets):
-    loss = model(idx, targets)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
+cross_entropy_step = classification_step
+gpt_step = language_model_step
 
 
 def mse_microbatch_step(model, optimizer, x, y=None):

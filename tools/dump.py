@@ -42,7 +42,6 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
-import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
@@ -53,7 +52,7 @@ import spmd_expand as spmd
 from ..dsymint import DSymInt, local_strides
 from ..expand import RedistributeCache, expand
 from ..graph_stats import annotate_local_values, collective_stats, peak_live_bytes
-from ..models import MLP, GPTConfig, build_gpt
+from ..models import MLP, GPTConfig, build_gpt, classification_step, language_model_step
 from ..errors import PlanError
 from ..presets import PRESETS, Preset, mesh_shape, preset
 from ..spec import concrete, local_shape
@@ -108,22 +107,6 @@ class Job:
     step: Callable[..., Any]
 
 
-def _cross_entropy_step(model, optimizer, x, y):
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
-
-
-def _gpt_step(model, optimizer, idx, targets):
-    loss = model(idx, targets)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
-
-
 def mlp_job() -> Job:
     """:class:`~spmd_expand.models.MLP` (16 -> 32 -> 4) with AdamW; local batch of 2 rows."""
     generator = torch.Generator().manual_seed(0)
@@ -132,7 +115,7 @@ def mlp_job() -> Job:
         model = MLP()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     batch = (torch.randn(2, 16, generator=generator), torch.randint(0, 4, (2,), generator=generator))
-    return Job(model, optimizer, batch, _cross_entropy_step)
+    return Job(model, optimizer, batch, classification_step)
 
 
 def gpt_job(layers: int = 1) -> Job:
@@ -143,7 +126,7 @@ def gpt_job(layers: int = 1) -> Job:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
     generator = torch.Generator().manual_seed(0)
     idx = torch.randint(0, config.vocab_size, (2, config.block_size), generator=generator)
-    return Job(model, optimizer, (idx, torch.roll(idx, -1, dims=1)), _gpt_step)
+    return Job(model, optimizer, (idx, torch.roll(idx, -1, dims=1)), language_model_step)
 
 
 BUILTIN_JOBS: dict[str, Callable[..., Job]] = {"mlp": mlp_job, "gpt": gpt_job}
