@@ -1,4 +1,4 @@
-"""``spmd-expand`` command line: ``train`` (the main job), ``dump`` and ``diff`` (graph inspection)."""
+"""``spmd-expand`` command line: ``train`` (the main job), ``dump`` and ``diff`` (offline graph tools)."""
 
 from __future__ import annotations
 
