@@ -109,7 +109,11 @@ def _diff_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="spmd-expand", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="spmd-expand",
+        description="Compile single-device PyTorch train steps into SPMD programs: train a model under a "
+        "parallel plan, or dump and diff the graphs each stage produces.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _dump_parser(sub)
