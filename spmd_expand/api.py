@@ -197,7 +197,7 @@ class CompiledStep:
         return roles, specs, placements, locals_
 
     # ------------------------------------------------------------------ compile
-    def _compile(self, args, kwargs, model, optimizer, batch_leaves, roles, specs, placements, locals_) -> StepArtifacts:
+    def _compile(self, args, kwargs, model, optimizer, roles, specs, placements, locals_) -> StepArtifacts:
         seconds: dict[str, float] = {}
         clock = time.perf_counter()
         with _overrides(model, self.module_override):
@@ -269,7 +269,7 @@ class CompiledStep:
         key = (tuple(zip(roles, specs, placements)), constants, self.requires_gradient_sync)
         artifacts = self.cache.get(key)
         if artifacts is None:
-            artifacts = self._compile(args, kwargs, model, optimizer, batch_leaves, roles, specs, placements, locals_)
+            artifacts = self._compile(args, kwargs, model, optimizer, roles, specs, placements, locals_)
             self.cache[key] = artifacts
         self.last = artifacts
         outputs = artifacts.runner(*locals_)

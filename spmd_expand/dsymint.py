@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
@@ -131,14 +131,3 @@ def apply_arithmetic(op, args: Sequence[object]) -> DSymInt:
         local_value = fn(*(v.local_value for v in values))
         return DSymInt(global_value, local_value, sharded[0].mesh_dims)
     return DSymInt(global_value, global_value, ())
-
-
-def global_value(x: object) -> object:
-    """The global value of a DSymInt, or ``x`` unchanged."""
-    return x.global_value if isinstance(x, DSymInt) else x
-
-
-def maybe_sharded(values: Sequence[object]) -> Optional[list[tuple[int, DSymInt]]]:
-    """(position, DSymInt) of the sharded DSymInts in a size list, or None if there are none."""
-    found = [(i, v) for i, v in enumerate(values) if isinstance(v, DSymInt) and v.is_sharded]
-    return found or None

@@ -97,14 +97,12 @@ class RedistributeCache:
 
     def __init__(self) -> None:
         self._graphs: dict[tuple, fx.GraphModule] = {}
-        self.misses = 0
 
     def get(self, src: DTensorSpec, dst: DTensorSpec, mask_shape: Optional[list[int]] = None) -> fx.GraphModule:
         meta = src.tensor_meta
         key = (src.placements, dst.placements, tuple(meta.shape), meta.dtype, src.mesh, tuple(mask_shape or ()))
         gm = self._graphs.get(key)
         if gm is None:
-            self.misses += 1
             shape = local_shape(src)  # outside fake mode: DTensor computes offsets with real tensors
             with FakeTensorMode():
                 example = torch.empty(shape, dtype=meta.dtype)

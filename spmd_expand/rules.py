@@ -39,7 +39,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .dsymint import DSymInt
 from .ops import GRADIENT, LAYOUT, UNSHARD
-from .spec import AS_PRODUCED, NodeSharding, tensor_spec
+from .spec import AS_PRODUCED, NodeSharding, spec_with_meta, tensor_spec
 
 __all__ = ["lookup", "SIZE_ARG"]
 
@@ -108,16 +108,16 @@ def gradient_rule(node: fx.Node, prop):
         return NodeSharding(inputs=(grad_spec, None), output=grad_spec)
     if wanted is None:
         # Rank-local gradient: used as this rank's value, with no reduction (DDP ignored_modules).
-        out = DTensorSpec(prop.mesh, tuple(Replicate() for _ in range(prop.mesh.ndim)), tensor_meta=grad_spec.tensor_meta)
+        out = spec_with_meta(prop.mesh, tuple(Replicate() for _ in range(prop.mesh.ndim)), grad_spec.tensor_meta)
         return NodeSharding(inputs=(grad_spec, None), output=out, rank_local=True)
-    target = DTensorSpec(prop.mesh, tuple(wanted), tensor_meta=grad_spec.tensor_meta)
+    target = spec_with_meta(prop.mesh, wanted, grad_spec.tensor_meta)
     return NodeSharding(inputs=(target, None), output=target)
 
 
 def unshard_rule(node: fx.Node, prop):
     """The parameter, as stored, brought to the plan's compute placement (FSDP: all-gathered)."""
     stored = prop.output_of(node.args[0])
-    out = DTensorSpec(prop.mesh, tuple(prop.compute_placements(node.args[1])), tensor_meta=stored.tensor_meta)
+    out = spec_with_meta(prop.mesh, prop.compute_placements(node.args[1]), stored.tensor_meta)
     return NodeSharding(inputs=(out, None), output=out)
 
 
@@ -135,7 +135,7 @@ def layout_rule(node: fx.Node, prop):
     src = prop.output_of(node.args[0])
     placements = list(src.placements)
     placements[node.args[1]] = parse_placement(node.args[2], len(src.tensor_meta.shape))
-    out = DTensorSpec(prop.mesh, tuple(placements), tensor_meta=src.tensor_meta)
+    out = spec_with_meta(prop.mesh, placements, src.tensor_meta)
     return NodeSharding(inputs=(out, None, None), output=out)
 
 
@@ -199,13 +199,9 @@ def split_rule(node: fx.Node, prop):
         return None
     strided = list(src.placements)
     strided[mesh_dim] = _StridedShard(dim, split_factor=len(sizes))
-    wanted = DTensorSpec(prop.mesh, tuple(strided), tensor_meta=src.tensor_meta)
-    pieces = [_out_spec_of(prop, v, src.placements) for v in node.meta["val"]]
+    wanted = spec_with_meta(prop.mesh, strided, src.tensor_meta)
+    pieces = [tensor_spec(prop.mesh, src.placements, v) for v in node.meta["val"]]
     return NodeSharding(inputs=(wanted,), output=pieces)
-
-
-def _out_spec_of(prop, val, placements) -> DTensorSpec:
-    return tensor_spec(prop.mesh, placements, val)
 
 
 def _mesh_size(prop, s: DSymInt) -> int:
@@ -253,7 +249,7 @@ def _fused_optimizer_rule(num_lists: int):
                     spec = prop.output_of(a)
                     same_shape = tuple(spec.tensor_meta.shape) == tuple(param_specs[i].tensor_meta.shape)
                     placements = param_specs[i].placements if same_shape else tuple(Replicate() for _ in range(prop.mesh.ndim))
-                    wanted.append(DTensorSpec(prop.mesh, placements, tensor_meta=spec.tensor_meta))
+                    wanted.append(spec_with_meta(prop.mesh, placements, spec.tensor_meta))
             elif isinstance(arg, fx.Node):
                 wanted.append(prop.output_of(arg))
             else:
@@ -262,7 +258,7 @@ def _fused_optimizer_rule(num_lists: int):
             if isinstance(v, fx.Node):
                 wanted.append(prop.output_of(v))
         outputs = tuple(
-            [DTensorSpec(prop.mesh, param_specs[i].placements, tensor_meta=prop.output_of(a).tensor_meta) for i, a in enumerate(node.args[k])]
+            [spec_with_meta(prop.mesh, param_specs[i].placements, prop.output_of(a).tensor_meta) for i, a in enumerate(node.args[k])]
             for k in range(num_lists)
         )
         return NodeSharding(inputs=tuple(wanted), output=outputs)
