@@ -21,6 +21,8 @@
   ``_StridedShard(dim, split_factor=pieces)`` (rank r holds the r-th shard of every piece; DTensor
   plans that redistribution) and every piece comes out ``Shard(dim)``, so each micro-batch stays
   data-parallel and equals the single-device micro-batch exactly.
+* ``lift_fresh_copy``: constants built inside the step (``torch.tensor([...])`` in a forward, as
+  HuggingFace models do) are replicated values; DTensor has no rule for the copy.
 * ``expand``, ``repeat`` and the ``new_*`` factories have DTensor rules, but those cannot know that a
   size came from a sharded batch dim; when one did, the output is sharded the same way instead of being
   materialized at global size and split afterwards.
@@ -137,6 +139,13 @@ def layout_rule(node: fx.Node, prop):
     placements[node.args[1]] = parse_placement(node.args[2], len(src.tensor_meta.shape))
     out = spec_with_meta(prop.mesh, placements, src.tensor_meta)
     return NodeSharding(inputs=(out, None, None), output=out)
+
+
+def constant_rule(node: fx.Node, prop):
+    """``lift_fresh_copy`` of a constant built in the step (``torch.tensor(...)``): a copy of a
+    replicated value, so it keeps the constant's placement."""
+    spec = prop.output_of(node.args[0])
+    return NodeSharding(inputs=(spec,), output=spec)
 
 
 def factory_rule(node: fx.Node, prop):
@@ -310,6 +319,7 @@ _RULES: dict[Any, Callable] = {
     aten._fused_adam.default: _fused_optimizer_rule(5),
     aten._fused_adamw.default: _fused_optimizer_rule(5),
     aten._fused_sgd.default: _fused_optimizer_rule(3),
+    aten.lift_fresh_copy.default: constant_rule,
 }
 _RULES.update({op: factory_rule for op in FACTORY_OPS})
 _RULES.update({aten.split.Tensor: split_rule, aten.split_with_sizes.default: split_rule})
