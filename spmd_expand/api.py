@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -23,11 +24,12 @@ from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 from .annotate import output_placements, regather_for_backward
 from .errors import SpmdError, TraceError
 from .expand import RedistributeCache, expand
+from .guards import ObjectIds, cache_key, check_batch, initialize_optimizer_state
 from .lower import LOWERINGS, lower
 from .plans import Plan, ResolvedPlan, resolve_plan
 from .propagate import propagate
 from .spec import AS_PRODUCED, replicate
-from .trace import InputRole, TensorSpec, TracedStep, trace_step
+from .trace import InputRole, TensorSpec, TracedStep, hyperparameters_of, trace_step
 
 __all__ = ["compile", "CompiledStep", "Override", "StepArtifacts"]
 
@@ -106,9 +108,14 @@ class CompiledStep:
         self.lower = lower
         self.passes = list(passes or [])
         self.module_override = list(module_override or [])
-        self.cache: dict[tuple, StepArtifacts] = {}
+        # Cache key (see guards.cache_key) -> compilations for it, each valid where its
+        # hyperparameter guards hold.
+        self.cache: dict[tuple, list[StepArtifacts]] = {}
         self.redistribute_cache = RedistributeCache()
         self._resolved: Optional[ResolvedPlan] = None
+        self._plans: "weakref.WeakKeyDictionary[nn.Module, ResolvedPlan]" = weakref.WeakKeyDictionary()
+        self._ids = ObjectIds()
+        self._state_attempted: "weakref.WeakKeyDictionary[torch.optim.Optimizer, set]" = weakref.WeakKeyDictionary()
         self.requires_gradient_sync = True
         functools.update_wrapper(self, fn)
 
@@ -248,8 +255,9 @@ class CompiledStep:
         Use it before loading a sharded checkpoint (``torch.distributed.checkpoint``, or
         ``set_state_dict``) into a model that has not run a step yet. Idempotent.
         """
-        if self._resolved is None:
-            self._resolved = resolve_plan(self.plan, self.mesh, model)
+        if model not in self._plans:
+            self._plans[model] = resolve_plan(self.plan, self.mesh, model)
+        self._resolved = self._plans[model]
         self._distribute_state(model, optimizer)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -258,7 +266,12 @@ class CompiledStep:
         optimizer = _find(leaves, torch.optim.Optimizer, "optimizers", at_most_one=True)
         # Every call: state loaded since the last call (e.g. by set_state_dict) may be plain tensors.
         self.prepare(model, optimizer)
+        if optimizer is not None:
+            attempted = self._state_attempted.setdefault(optimizer, set())
+            if initialize_optimizer_state(model, optimizer, attempted):
+                self._distribute_state(model, optimizer)
         batch_leaves = [x for x in leaves if isinstance(x, torch.Tensor)]
+        check_batch(batch_leaves, self._resolved, self.mesh)
         # The step updates local shards in place; autograd must not track that.
         with torch.no_grad():
             return self._run(args, kwargs, model, optimizer, leaves, batch_leaves)
@@ -266,13 +279,19 @@ class CompiledStep:
     def _run(self, args, kwargs, model, optimizer, leaves, batch_leaves) -> Any:
         roles, specs, placements, locals_ = self._inputs(model, optimizer, batch_leaves)
         constants = tuple(repr(x) for x in leaves if not isinstance(x, (torch.Tensor, nn.Module, torch.optim.Optimizer)))
-        key = (tuple(zip(roles, specs, placements)), constants, self.requires_gradient_sync)
-        artifacts = self.cache.get(key)
+        hyperparameters = hyperparameters_of(optimizer)
+        values = [hp.read(optimizer) for hp in hyperparameters]
+        key = cache_key(
+            self._ids, model, optimizer, hyperparameters, tuple(zip(roles, specs, placements)), constants,
+            self.requires_gradient_sync,
+        )
+        compiled = self.cache.setdefault(key, [])
+        artifacts = next((a for a in compiled if a.traced.guards.check(values) is None), None)
         if artifacts is None:
-            artifacts = self._compile(args, kwargs, model, optimizer, roles, specs, placements, locals_)
-            self.cache[key] = artifacts
+            artifacts = self._compile(args, kwargs, model, optimizer, roles, specs, placements, locals_ + values)
+            compiled.append(artifacts)
         self.last = artifacts
-        outputs = artifacts.runner(*locals_)
+        outputs = artifacts.runner(*locals_, *values)
         return self._write_back(artifacts.traced, outputs, model, optimizer)
 
     def _write_back(self, traced: TracedStep, outputs: Sequence[torch.Tensor], model, optimizer) -> Any:

@@ -17,6 +17,7 @@ __all__ = [
     "UnsupportedOpError",
     "PlacementError",
     "PlanError",
+    "BatchError",
     "user_source_line",
 ]
 
@@ -31,6 +32,12 @@ class TraceError(SpmdError):
 
 class PlanError(SpmdError):
     """The parallel plan does not fit the mesh, the model or the step's arguments."""
+
+
+class BatchError(SpmdError):
+    """The ranks' local batches do not form a global batch the plan can split: local batches of
+    different shapes across ranks (uneven or empty), or a batch dim the batch tensors do not have.
+    Raised on every rank of the mesh at once, before any collective of the step runs."""
 
 
 class UnsupportedOpError(SpmdError):

@@ -2,7 +2,8 @@
 
 Each node gets ``node.meta["spmd"]``, a :class:`NodeSharding`: the placements (as DTensor's
 ``DTensorSpec``) its tensor inputs must have and the spec of its output. Sizes computed from batch
-tensors get a :class:`~spmd_expand.dsymint.DSymInt` instead.
+tensors get a :class:`~spmd_expand.dsymint.DSymInt` instead; floats computed from hyperparameter inputs
+(learning rates, ...) get their example value and stay run-time values in the local graph.
 
 Rules are looked up in DTensor's own sharding propagator (``DTensor._op_dispatcher.sharding_propagator``,
 the one eager DTensor uses), which also picks the redistribution of inputs an op needs. Only where
@@ -14,6 +15,7 @@ from __future__ import annotations
 import operator
 from typing import Any, Callable, Optional
 
+import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
@@ -24,8 +26,8 @@ from torch.distributed.tensor._op_schema import OpSchema
 from . import rules
 from .dsymint import SYM_ARITHMETIC, SYM_SOURCE_OPS, DSymInt, apply_arithmetic, from_size_node
 from .errors import PlacementError, UnsupportedOpError, node_error
-from .spec import AS_PRODUCED, NodeSharding, local_shape, replicate, spec_with_meta, tensor_meta, tensor_spec
-from .trace import TracedStep
+from .spec import AS_PRODUCED, NodeSharding, concrete, local_shape, replicate, spec_with_meta, tensor_meta, tensor_spec
+from .trace import TracedStep, is_runtime_scalar
 
 __all__ = ["propagate"]
 
@@ -56,7 +58,10 @@ class _Propagator:
     def run(self) -> None:
         placeholders = iter(self.input_placements)
         for node in self.traced.graph_module.graph.nodes:
-            if node.op == "placeholder":
+            if node.op == "placeholder" and isinstance(node.meta.get("val"), (torch.SymFloat, float)):
+                # A hyperparameter input (possibly specialized to a constant by a guard).
+                node.meta["spmd"] = NodeSharding(output=concrete(node.meta["val"]))
+            elif node.op == "placeholder":
                 node.meta["spmd"] = NodeSharding(output=tensor_spec(self.mesh, next(placeholders), node.meta["val"]))
             elif node.op == "get_attr":
                 val = getattr(self.traced.graph_module, node.target)
@@ -89,6 +94,10 @@ class _Propagator:
         if target in SYM_SOURCE_OPS:
             spec = self.output_of(node.args[0])
             return NodeSharding(output=from_size_node(target, spec, local_shape(spec), node.args[1:]))
+        if is_runtime_scalar(node.meta.get("val")):
+            # Arithmetic on hyperparameters (e.g. ``1 - lr * weight_decay``): the same on every rank,
+            # computed at run time; its example value stands in for DTensor's schemas.
+            return NodeSharding(output=concrete(node.meta["val"]))
         if target in SYM_ARITHMETIC:
             args = [self.output_of(a) if isinstance(a, fx.Node) else a for a in node.args]
             return NodeSharding(output=apply_arithmetic(target, args))

@@ -9,7 +9,16 @@ The step is traced twice, both times with ``make_fx`` on fake tensors that have 
    updated parameters, buffers, optimizer states and gradients become ``aten.copy_`` into their
    placeholders at the end of the graph (what AOTAutograd does for input mutations).
 
-The graph's placeholders follow :attr:`TracedStep.inputs` and its outputs :attr:`TracedStep.outputs`.
+The graph's placeholders follow :attr:`TracedStep.inputs` (tensors), then
+:attr:`TracedStep.hyperparameters` (Python floats: learning rates, betas, weight decay, ... of the
+optimizer's param groups, traced as ``SymFloat`` so that a new value needs no new graph); its outputs
+follow :attr:`TracedStep.outputs`.
+
+Inside the step the module's parameters are the traced leaves themselves (the same objects the
+optimizer updates and whose ``.grad`` autograd fills). A ``TorchFunctionMode`` marks, without changing
+values, where the step *reads* them: a parameter read by the model goes through
+``spmd_expand::unshard`` (:func:`spmd_expand.ops.unshard`), a gradient read after ``backward()`` (by the
+optimizer, ``clip_grad_norm_``, the user's code) through ``spmd_expand::gradient``.
 """
 
 from __future__ import annotations
@@ -17,7 +26,9 @@ from __future__ import annotations
 import collections
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+
+import sympy
 
 import torch
 import torch.fx as fx
@@ -27,13 +38,25 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+from torch._dynamo.source import ConstantSource
 from torch.nn.utils import stateless
 from torch.overrides import TorchFunctionMode
+from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from . import ops
 from .errors import TraceError
 
-__all__ = ["InputRole", "OutputRole", "TracedStep", "TensorSpec", "trace_step"]
+__all__ = [
+    "HyperParameter",
+    "HyperParameterGuards",
+    "InputRole",
+    "OutputRole",
+    "TracedStep",
+    "TensorSpec",
+    "hyperparameters_of",
+    "is_runtime_scalar",
+    "trace_step",
+]
 
 aten = torch.ops.aten
 
@@ -70,6 +93,81 @@ class TensorSpec:
     dynamic_dims: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class HyperParameter:
+    """A float setting of an optimizer param group (``lr``, ``betas[0]``, ``weight_decay``, ...).
+
+    It is a graph input: LR schedulers and user code may change it between calls without a new
+    trace. ``index`` is the position inside a tuple setting (``betas``), else None.
+    """
+
+    group: int
+    key: str
+    index: Optional[int] = None
+
+    def read(self, optimizer: torch.optim.Optimizer) -> float:
+        value = optimizer.param_groups[self.group][self.key]
+        if self.index is not None:
+            value = value[self.index]
+        return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+    def __str__(self) -> str:
+        return f"param_groups[{self.group}][{self.key!r}]" + (f"[{self.index}]" if self.index is not None else "")
+
+
+def _is_float_setting(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):  # a tensor lr (torch's compiled-optimizer idiom)
+        return value.numel() == 1 and value.dtype.is_floating_point and not value.requires_grad
+    return isinstance(value, float)
+
+
+def hyperparameters_of(optimizer: Optional[torch.optim.Optimizer]) -> list[HyperParameter]:
+    """Every float setting of every param group, in a fixed order (the graph's input order).
+
+    Ints, bools, strings and None (``foreach``, ``nesterov``, ``amsgrad``, ...) choose code paths and
+    are part of the compiled step's cache key instead.
+    """
+    found: list[HyperParameter] = []
+    for g, group in enumerate(optimizer.param_groups if optimizer is not None else ()):
+        for key, value in group.items():
+            if key == "params":
+                continue
+            if _is_float_setting(value):
+                found.append(HyperParameter(g, key))
+            elif isinstance(value, tuple) and value and all(_is_float_setting(v) for v in value):
+                found.extend(HyperParameter(g, key, i) for i in range(len(value)))
+    return found
+
+
+def is_runtime_scalar(value: Any) -> bool:
+    """Whether ``value`` (a node's ``meta["val"]``) is a float computed from hyperparameter inputs."""
+    return isinstance(value, torch.SymFloat) and any(
+        symbol_is_type(s, SymT.FLOAT) for s in value.node.expr.free_symbols
+    )
+
+
+@dataclass
+class HyperParameterGuards:
+    """What the traced graph assumed about hyperparameter values (e.g. ``weight_decay != 0`` chose a
+    code path, or a fused kernel took ``lr`` as a constant): sympy conditions over the hyperparameter
+    symbols, checked on every call (:meth:`check`)."""
+
+    symbols: list[sympy.Symbol]
+    conditions: list[sympy.Expr]
+    sources: list[str]
+
+    def check(self, values: Sequence[float]) -> Optional[str]:
+        """None when every condition holds for ``values`` (one per hyperparameter), else the first
+        failing condition, written with the hyperparameter names."""
+        if not self.conditions:
+            return None
+        bindings = {s: sympy.Float(v) for s, v in zip(self.symbols, values)}
+        for condition, source in zip(self.conditions, self.sources):
+            if not bool(condition.xreplace(bindings)):
+                return source
+        return None
+
+
 @dataclass
 class TracedStep:
     """The global (single-device) graph of a train step and the meaning of its inputs and outputs."""
@@ -83,6 +181,8 @@ class TracedStep:
     # Parameters whose gradient was an input and is None after the step (zero_grad()).
     cleared_grads: list[str]
     fake_mode: FakeTensorMode = field(repr=False)
+    hyperparameters: list[HyperParameter] = field(default_factory=list)
+    guards: HyperParameterGuards = field(default_factory=lambda: HyperParameterGuards([], [], []))
 
 
 # In-place fused optimizer ops whose C++ functionalization kernel cannot handle their list arguments
@@ -126,53 +226,6 @@ class _FunctionalizingInterpreter(fx.Interpreter):
         return super().call_function(target, args, kwargs)
 
 
-@contextlib.contextmanager
-def _optimizer_on(
-    optimizer: Optional[torch.optim.Optimizer],
-    swap: dict[int, torch.Tensor],
-    states: dict[int, dict[str, Any]],
-    fqn_of: dict[int, str],
-) -> Iterator[None]:
-    """Point ``optimizer`` at the traced parameters and states while the step is traced.
-
-    Also (a) switches param groups to the capturable code path, which keeps ``step`` a tensor instead
-    of reading it into a Python float that would be baked into the graph, and (b) marks each gradient
-    with :func:`spmd_expand.ops.gradient` right before the update reads it.
-    """
-    if optimizer is None:
-        yield
-        return
-    saved_params = [g["params"] for g in optimizer.param_groups]
-    saved_capturable = [g.get("capturable") for g in optimizer.param_groups]
-    saved_state = optimizer.state
-    traced_state: collections.defaultdict = collections.defaultdict(dict)
-    for group in optimizer.param_groups:
-        group["params"] = [swap[id(p)] for p in group["params"]]
-        if "capturable" in group:
-            group["capturable"] = True
-    for pid, st in states.items():
-        traced_state[swap[pid]] = st
-    optimizer.state = traced_state
-    fqn_by_traced = {id(swap[pid]): fqn for pid, fqn in fqn_of.items()}
-
-    def mark_gradients(opt, args, kwargs):
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.grad = ops.gradient(p.grad, fqn_by_traced[id(p)])
-
-    handle = optimizer.register_step_pre_hook(mark_gradients)
-    try:
-        yield
-    finally:
-        handle.remove()
-        optimizer.state = saved_state
-        for group, params, cap in zip(optimizer.param_groups, saved_params, saved_capturable):
-            group["params"] = params
-            if cap is not None:
-                group["capturable"] = cap
-
-
 BACKWARD_KEY = "spmd_backward"
 
 
@@ -181,24 +234,192 @@ def backward_index(node: fx.Node) -> Optional[int]:
     return (node.meta.get("custom") or {}).get(BACKWARD_KEY)
 
 
-class _MarkBackward(TorchFunctionMode):
-    """Tags every node recorded inside a ``backward()`` call with that call's index.
+_GRAD = torch._C.TensorBase.__dict__["grad"]
+_BACKWARD_CALLS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+# Reads of a parameter that look at metadata only: no unshard marker for these.
+_METADATA_READS = frozenset(
+    {"__get__", "__set__", "size", "dim", "numel", "stride", "nelement", "element_size", "is_contiguous",
+     "storage_offset", "data_ptr", "get_device", "is_floating_point", "is_complex", "type", "__len__",
+     "__repr__", "__format__", "__deepcopy__", "__reduce_ex__", "__setstate__", "untyped_storage"}
+)
 
-    Needs ``fx_traceback.preserve_node_meta()``; the tag is ``node.meta["custom"]["spmd_backward"]``
-    and survives functionalization. Later stages use it to tell forward from backward uses.
+
+# ``self + value * t1 (/ or *) t2`` ops given their ``value`` as a tensor, which the optimizers'
+# traceable default path does (Adam's ``step_size`` under ``torch.compiler.is_compiling()``). Traced
+# as is, a fake tensor's data would be read as the Python number (single-tensor ``addcdiv_``), or the
+# fake kernel rejects it (foreach: "Expected scalars to be on CPU, got meta"). They are decomposed in
+# the eager CPU kernel's order, ``self + ((value * t1) op t2)``, which rounds the same.
+_POINTWISE_WITH_VALUE = {
+    torch._foreach_addcdiv_: torch._foreach_div_,
+    torch._foreach_addcmul_: torch._foreach_mul_,
+    torch.Tensor.addcdiv_: torch.Tensor.div_,
+    torch.Tensor.addcmul_: torch.Tensor.mul_,
+}
+
+
+def _decompose_tensor_value(func: Callable, args: tuple, kwargs: dict) -> Optional[Callable[[], Any]]:
+    """A thunk computing ``func(*args, **kwargs)`` without a tensor ``value``, or None if not needed."""
+    op = _POINTWISE_WITH_VALUE.get(func)
+    if op is None:
+        return None
+    self_, tensor1, tensor2, *rest = args
+    value = rest[0] if rest else kwargs.get("value")
+    if not isinstance(value, torch.Tensor):
+        return None
+    if func in (torch._foreach_addcdiv_, torch._foreach_addcmul_):
+
+        def foreach() -> None:
+            values = torch._foreach_mul(list(tensor1), list(value.unbind(0)))
+            op(values, list(tensor2))
+            torch._foreach_add_(self_, values)
+
+        return foreach
+    return lambda: self_.add_(op(value * tensor1, tensor2))
+
+
+def _mutates_first_arg(func: Callable) -> bool:
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i") or name == "__setitem__"
+
+
+class _StepMode(TorchFunctionMode):
+    """Marks, while the step is traced, where it reads parameters and gradients, and tags backward.
+
+    * Every node recorded inside a ``backward()`` (or ``autograd.grad``) call gets
+      ``node.meta["custom"]["spmd_backward"] = k`` for the k-th call (needs
+      ``fx_traceback.preserve_node_meta()``); later stages tell forward from backward uses by it.
+    * A parameter passed to a torch function outside backward and outside ``optimizer.step()`` is
+      replaced by ``unshard(param)`` (one marker per parameter, reused; in-place ops still write to the
+      parameter itself). Autograd's gradient flows through the marker to the leaf.
+    * Reading ``param.grad`` outside backward returns ``gradient(grad)`` and stores it back, so the
+      optimizer, ``clip_grad_norm_`` and user code all see the gradient reduced per the plan, reduced
+      once however often it is read (until a later backward accumulates into it again).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, params: Mapping[int, tuple[str, torch.Tensor]]) -> None:
         super().__init__()
-        self.calls = 0
+        self.params = params  # id(leaf) -> (fqn, leaf)
+        self.backward_calls = 0
+        self.in_backward = False
+        self.in_optimizer = 0
+        self._unshard: dict[tuple[int, bool, int], torch.Tensor] = {}
+        self._marked: dict[int, tuple[torch.Tensor, int]] = {}  # id(param) -> (marked grad, its version)
+
+    def optimizer_hooks(self, optimizer: torch.optim.Optimizer) -> list:
+        """Hooks that tell the mode when ``optimizer.step()`` runs (its reads are not the model's)."""
+
+        def enter(*_):
+            self.in_optimizer += 1
+
+        def leave(*_):
+            self.in_optimizer -= 1
+
+        return [optimizer.register_step_pre_hook(enter), optimizer.register_step_post_hook(leave)]
+
+    def mark_read(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """Record that ``grad`` (an input gradient) already has the plan's placement."""
+        self._marked[id(param)] = (grad, grad._version)
+
+    def _unshard_of(self, fqn: str, param: torch.Tensor) -> torch.Tensor:
+        key = (id(param), torch.is_grad_enabled(), param._version)
+        marker = self._unshard.get(key)
+        if marker is None:
+            marker = self._unshard[key] = ops.unshard(param, fqn)
+        return marker
+
+    def _read_grad(self, param: torch.Tensor, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if grad is None or self.in_backward:
+            return grad
+        marked = self._marked.get(id(param))
+        if marked is not None and marked[0] is grad and marked[1] == grad._version:
+            return grad
+        grad = ops.gradient(grad, self.params[id(param)][0])
+        _GRAD.__set__(param, grad)
+        self._marked[id(param)] = (grad, grad._version)
+        return grad
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.Tensor.backward or func is torch.autograd.backward:
-            self.calls += 1
-            with fx_traceback.annotate({BACKWARD_KEY: self.calls}):
-                return func(*args, **kwargs)
+        if func in _BACKWARD_CALLS:
+            self.backward_calls += 1
+            self.in_backward = True
+            try:
+                with fx_traceback.annotate({BACKWARD_KEY: self.backward_calls}):
+                    return func(*args, **kwargs)
+            finally:
+                self.in_backward = False
+        decomposed = _decompose_tensor_value(func, args, kwargs)
+        if decomposed is not None:
+            return decomposed()
+        name = getattr(func, "__name__", "")
+        if name == "__get__" and getattr(func, "__self__", None) is _GRAD:
+            grad = func(*args, **kwargs)
+            entry = self.params.get(id(args[0]))
+            return self._read_grad(args[0], grad) if entry is not None and entry[1] is args[0] else grad
+        if self.in_backward or self.in_optimizer or name in _METADATA_READS:
+            return func(*args, **kwargs)
+        keep_first = _mutates_first_arg(func)
+        args = tuple(a if (i == 0 and keep_first) else self._substitute(a) for i, a in enumerate(args))
+        kwargs = {k: self._substitute(v) for k, v in kwargs.items()}
         return func(*args, **kwargs)
+
+    def _substitute(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            entry = self.params.get(id(value))
+            return self._unshard_of(entry[0], value) if entry is not None and entry[1] is value else value
+        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+            return type(value)(self._substitute(v) for v in value)
+        return value
+
+
+@contextlib.contextmanager
+def _optimizer_on(
+    optimizer: Optional[torch.optim.Optimizer],
+    swap: dict[int, torch.Tensor],
+    states: dict[int, dict[str, Any]],
+    hyperparameters: Sequence[HyperParameter],
+    values: Sequence[Any],
+) -> Iterator[None]:
+    """Point ``optimizer`` at the traced parameters, states and hyperparameters while the step is traced.
+
+    Raises:
+        TraceError: the step changed a param-group setting (e.g. an LR scheduler stepped inside the
+            step): the compiled step would not repeat that change, so it is refused.
+    """
+    if optimizer is None:
+        yield
+        return
+    saved_params = [g["params"] for g in optimizer.param_groups]
+    saved_settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    saved_state = optimizer.state
+    traced_state: collections.defaultdict = collections.defaultdict(dict)
+    for group in optimizer.param_groups:
+        group["params"] = [swap[id(p)] for p in group["params"]]
+    for hp, value in zip(hyperparameters, values):
+        group = optimizer.param_groups[hp.group]
+        if hp.index is None:
+            group[hp.key] = value
+        else:
+            group[hp.key] = tuple(value if i == hp.index else v for i, v in enumerate(group[hp.key]))
+    traced_settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    for pid, st in states.items():
+        traced_state[swap[pid]] = st
+    optimizer.state = traced_state
+    try:
+        yield
+        for i, (group, expected) in enumerate(zip(optimizer.param_groups, traced_settings)):
+            changed = sorted(k for k in set(group) | set(expected) if k != "params" and group.get(k) is not expected.get(k))
+            if changed:
+                raise TraceError(
+                    f"the train step changed optimizer.param_groups[{i}] settings {changed}; a compiled step "
+                    f"cannot repeat that on later calls.\n  fix: change hyperparameters outside the step (call "
+                    f"scheduler.step() after the compiled step); their values are read on every call"
+                )
+    finally:
+        optimizer.state = saved_state
+        for group, params, settings in zip(optimizer.param_groups, saved_params, saved_settings):
+            group["params"] = params
+            group.update(settings)
 
 
 def _fake(fake_mode: FakeTensorMode, spec: TensorSpec) -> torch.Tensor:
@@ -271,7 +492,17 @@ def trace_step(
         TraceError: the step has data-dependent control flow, returns non-tensors, or fails to trace.
     """
     fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
+    shape_env = fake_mode.shape_env
     fakes = [_fake(fake_mode, s) for s in input_specs]
+    hyperparameters = hyperparameters_of(optimizer)
+    symbols = [
+        shape_env.create_unspecified_symbol(hp.read(optimizer), ConstantSource(str(hp)), DimDynamic.DYNAMIC)
+        for hp in hyperparameters
+    ]
+    sym_values = [
+        shape_env.create_symfloatnode(sym, hint=hp.read(optimizer), source=ConstantSource(str(hp)))
+        for sym, hp in zip(symbols, hyperparameters)
+    ]
     leaves, tree = pytree.tree_flatten((args, kwargs))
     tensor_leaf_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
@@ -281,11 +512,13 @@ def trace_step(
     cleared_grads: list[str] = []
     return_spec: list[tuple[pytree.TreeSpec, list[bool]]] = []
 
-    def step(*flat: torch.Tensor) -> list[torch.Tensor]:
+    def step(*flat: Any) -> list[torch.Tensor]:
         by_role = dict(zip(input_roles, flat))
+        hp_values = flat[len(input_roles):]
         params = {r.fqn: nn.Parameter(t, requires_grad=real_params[r.fqn].requires_grad) for r, t in by_role.items() if r.kind == "param"}
         buffers = {r.fqn: t for r, t in by_role.items() if r.kind == "buffer"}
         swap = {id(real_params[fqn]): p for fqn, p in params.items()}
+        mode = _StepMode({id(p): (fqn, p) for fqn, p in params.items()})
         states: dict[int, dict[str, Any]] = {}
         if optimizer is not None:
             for p, st in optimizer.state.items():
@@ -296,6 +529,7 @@ def trace_step(
                 states.setdefault(id(real_params[r.fqn]), {})[r.key] = t
             elif r.kind == "grad":
                 params[r.fqn].grad = t
+                mode.mark_read(params[r.fqn], t)
         inputs_by_id = {id(t): r for r, t in by_role.items()}
 
         batch = {int(r.key): t for r, t in by_role.items() if r.kind == "batch"}
@@ -304,14 +538,17 @@ def trace_step(
             new_leaves[pos] = batch[i]
         call_args, call_kwargs = pytree.tree_unflatten(new_leaves, tree)
 
-        # The module reads each parameter through an `unshard` marker; the optimizer updates the
-        # stored parameter itself.
-        used = {fqn: ops.unshard(p, fqn) for fqn, p in params.items()}
-        with stateless._reparametrize_module(model, {**used, **buffers}, tie_weights=True), _optimizer_on(
-            optimizer, swap, states, fqn_of
-        ), _module_layouts(model, module_layouts or {}):
-            result = fn(*call_args, **call_kwargs)
-            traced_states = {fqn: optimizer.state.get(params[fqn], {}) for fqn in params} if optimizer else {}
+        # The module and the optimizer hold the same leaves; _StepMode marks where they are read.
+        hooks = mode.optimizer_hooks(optimizer) if optimizer is not None else []
+        try:
+            with stateless._reparametrize_module(model, {**params, **buffers}, tie_weights=True), _optimizer_on(
+                optimizer, swap, states, hyperparameters, hp_values
+            ), _module_layouts(model, module_layouts or {}), mode:
+                result = fn(*call_args, **call_kwargs)
+                traced_states = {fqn: optimizer.state.get(params[fqn], {}) for fqn in params} if optimizer else {}
+        finally:
+            for h in hooks:
+                h.remove()
 
         ret_leaves, spec = pytree.tree_flatten(result)
         for leaf in ret_leaves:
@@ -337,18 +574,19 @@ def trace_step(
         for fqn, p in params.items():
             if p.grad is not None and inputs_by_id.get(id(p.grad)) != InputRole("grad", fqn):
                 outputs.append(OutputRole("grad", fqn))
-                # Marking twice (step pre-hook, then here) is harmless: the second is an identity.
+                # A gradient already marked where it was read is marked again here: an identity.
                 out.append(ops.gradient(p.grad, fqn))
         return out
 
     try:
         with torch.compiler._compile_session_context(), torch.enable_grad():
-            # _compile_session_context: optimizers take their traceable paths (tensor `step`, no .item()).
-            with fx_traceback.preserve_node_meta(), _MarkBackward():
-                autograd_graph = make_fx(step, tracing_mode="symbolic", record_stack_traces=True)(*fakes)
+            # _compile_session_context: optimizers take their traceable paths (`step` stays a tensor,
+            # no .item()), with the same arithmetic as their default eager path.
+            with fx_traceback.preserve_node_meta():
+                autograd_graph = make_fx(step, tracing_mode="symbolic", record_stack_traces=True)(*fakes, *sym_values)
             detached = [t.detach() for t in fakes]
 
-            def replay(*flat: torch.Tensor) -> list[torch.Tensor]:
+            def replay(*flat: Any) -> list[torch.Tensor]:
                 with torch.no_grad(), fx_traceback.preserve_node_meta():
                     return _FunctionalizingInterpreter(autograd_graph).run(*flat)
 
@@ -356,7 +594,7 @@ def trace_step(
                 torch.func.functionalize(replay, remove="mutations"),
                 decomposition_table=_DECOMPOSITIONS,
                 tracing_mode="symbolic",
-            )(*detached)
+            )(*detached, *sym_values)
     except TraceError:
         raise
     except Exception as e:  # noqa: BLE001 - every tracing failure becomes one clear error
@@ -374,8 +612,36 @@ def trace_step(
     functional.recompile()
     spec, is_tensor = return_spec[-1]
     return TracedStep(
-        functional, list(input_roles), list(outputs), list(input_specs), spec, is_tensor, list(cleared_grads), fake_mode
+        functional,
+        list(input_roles),
+        list(outputs),
+        list(input_specs),
+        spec,
+        is_tensor,
+        list(cleared_grads),
+        fake_mode,
+        hyperparameters,
+        _hyperparameter_guards(shape_env, symbols, hyperparameters),
     )
+
+
+def _hyperparameter_guards(
+    shape_env: ShapeEnv, symbols: list[sympy.Symbol], hyperparameters: list[HyperParameter]
+) -> HyperParameterGuards:
+    """The shape env's guards that mention hyperparameter symbols, other symbols bound to their hints.
+
+    Size symbols are fixed by the cache key (shapes are part of it), so only hyperparameters vary.
+    """
+    names = {sym: str(hp) for sym, hp in zip(symbols, hyperparameters)}
+    sizes = {s: v for s, v in shape_env.backed_var_to_val.items() if s not in names}
+    conditions, sources = [], []
+    for guard in shape_env.guards:
+        if not guard.expr.free_symbols & names.keys():
+            continue
+        condition = guard.expr.xreplace(sizes)
+        conditions.append(condition)
+        sources.append(str(condition.xreplace({s: sympy.Symbol(n) for s, n in names.items()})))
+    return HyperParameterGuards(symbols, conditions, sources)
 
 
 def _drop_profiler_nodes(gm: fx.GraphModule) -> None:

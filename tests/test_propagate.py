@@ -55,7 +55,8 @@ def flat(fake_mesh):
 
 def placeholders(traced):
     nodes = [n for n in traced.graph_module.graph.nodes if n.op == "placeholder"]
-    assert len(nodes) == len(traced.inputs)
+    # Tensor inputs, then one float input per optimizer hyperparameter (SGD: lr).
+    assert len(nodes) == len(traced.inputs) + len(traced.hyperparameters)
     return list(zip(traced.inputs, nodes))
 
 

@@ -1,0 +1,254 @@
+"""What a compiled step depends on, checked on every call: the cache key, the batch check, and the
+optimizer state created before tracing.
+
+A compiled graph bakes in the structure of the model, the optimizer and the batch. Everything it bakes
+in is either a graph input (tensors, and the float hyperparameters of the optimizer's param groups) or
+part of :func:`cache_key` / a hyperparameter guard (``trace.HyperParameterGuards``), so a call whose
+state differs from the traced one compiles again instead of running a stale graph:
+
+=======================================  ==================================================
+graph input (no recompilation)           parameters, buffers, gradients, optimizer states,
+                                         batch tensors, every float setting of every param
+                                         group (``lr``, ``betas``, ``weight_decay``, ``eps``,
+                                         ``momentum``, ...; also a 0-d tensor ``lr``)
+recompiles                               another model or optimizer object; ``train()`` /
+                                         ``eval()`` of any submodule; ``requires_grad`` of any
+                                         parameter; param groups (members, non-float settings
+                                         such as ``foreach``, ``nesterov``, ``amsgrad``);
+                                         optimizer state keys and non-tensor state; batch
+                                         shapes and dtypes; gradient sync on/off; non-tensor
+                                         arguments of the step; a hyperparameter value that
+                                         breaks an assumption of the traced code (e.g.
+                                         ``weight_decay`` from 0 to non-zero, or any value a
+                                         fused kernel took as a constant)
+refused (``BatchError``)                 local batches of different shapes on different ranks
+                                         (uneven or empty), a batch tensor without the plan's
+                                         batch dim, batch tensors of different sizes along it
+=======================================  ==================================================
+"""
+
+from __future__ import annotations
+
+import weakref
+import zlib
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+
+from .errors import BatchError
+from .plans import ResolvedPlan
+from .trace import HyperParameter
+
+__all__ = ["ObjectIds", "cache_key", "check_batch", "initialize_optimizer_state"]
+
+
+class ObjectIds:
+    """Small serial numbers for objects, held weakly: a new model or optimizer gets a new number even
+    if it reuses a dead object's ``id``."""
+
+    def __init__(self) -> None:
+        self._ids: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+    def __call__(self, obj: Any) -> Optional[int]:
+        if obj is None:
+            return None
+        if obj not in self._ids:
+            self._ids[obj] = len(self._ids) + 1 + max(self._ids.values(), default=0)
+        return self._ids[obj]
+
+
+def _setting(value: Any) -> Any:
+    """A hashable stand-in for a param-group setting that is not a hyperparameter input."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return tuple(_setting(v) for v in value)
+    return value if isinstance(value, (int, str, bool, type(None))) else repr(value)
+
+
+def cache_key(
+    ids: ObjectIds,
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    hyperparameters: Sequence[HyperParameter],
+    inputs: tuple,
+    constants: tuple,
+    gradient_sync: bool,
+) -> tuple:
+    """Everything a traced graph depends on besides its inputs and hyperparameter guards.
+
+    ``inputs`` is the per-input (role, global spec, placements) tuple of the call.
+    """
+    fqn_of = {id(p): fqn for fqn, p in model.named_parameters()}
+    training = tuple(m.training for m in model.modules())
+    requires_grad = tuple(p.requires_grad for p in model.parameters())
+    groups: tuple = ()
+    state: tuple = ()
+    if optimizer is not None:
+        floats = {(hp.group, hp.key) for hp in hyperparameters}
+        groups = tuple(
+            (
+                tuple(fqn_of.get(id(p), "?") for p in g["params"]),
+                tuple(
+                    (k, type(v).__name__ if (i, k) in floats else _setting(v))
+                    for k, v in sorted(g.items(), key=lambda kv: kv[0])
+                    if k != "params"
+                ),
+            )
+            for i, g in enumerate(optimizer.param_groups)
+        )
+        state = tuple(
+            (fqn_of.get(id(p), "?"), tuple((k, _setting(v)) for k, v in st.items() if not isinstance(v, torch.Tensor)))
+            for p, st in optimizer.state.items()
+        )
+    return (ids(model), ids(optimizer), training, requires_grad, groups, state, inputs, constants, gradient_sync)
+
+
+def _batch_problems(leaves: Sequence[torch.Tensor], plan: ResolvedPlan) -> list[str]:
+    """This rank's own problems with its batch tensors (no communication)."""
+    problems = []
+    sizes: dict[int, tuple[int, int]] = {}  # tensor dim -> (size, first argument with it)
+    for i, t in enumerate(leaves):
+        for style in plan.styles:
+            batch_dim = getattr(style, "batch_dim", None)
+            if batch_dim is not None and 0 < t.dim() <= batch_dim:
+                problems.append(
+                    f"tensor argument {i} has shape {tuple(t.shape)}, which has no batch dim {batch_dim} "
+                    f"({type(style).__name__}(batch_dim={batch_dim}))"
+                )
+        for placement in plan.batch_placements(t):
+            if isinstance(placement, Shard):
+                size = t.shape[placement.dim]
+                first = sizes.setdefault(placement.dim, (size, i))
+                if size == 0:
+                    problems.append(f"tensor argument {i} is empty on batch dim {placement.dim} (shape {tuple(t.shape)})")
+                elif first[0] != size:
+                    problems.append(
+                        f"tensor arguments {first[1]} and {i} have {first[0]} and {size} rows on batch dim "
+                        f"{placement.dim}; every tensor argument is split along it (pass per-step constants "
+                        f"such as class weights as module buffers or through a closure)"
+                    )
+    return problems
+
+
+class _BatchCheck:
+    """One process group over all ranks of a mesh, made once per mesh.
+
+    Not ``DeviceMesh._flatten()``: flattening a 2-D mesh changed how DTensor redistributed on it
+    afterwards (FSDP+TP parameters came out wrong) in torch 2.13.
+    """
+
+    groups: "weakref.WeakKeyDictionary[DeviceMesh, Any]" = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def group(cls, mesh: DeviceMesh):
+        if mesh not in cls.groups:
+            if mesh.ndim == 1:
+                group = mesh.get_group()
+            elif mesh.size() == dist.get_world_size():
+                group = dist.group.WORLD
+            else:  # every rank reaches this on the same (first) call
+                group = dist.new_group(sorted(mesh.mesh.flatten().tolist()))
+            cls.groups[mesh] = group
+        return cls.groups[mesh]
+
+
+def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: DeviceMesh) -> None:
+    """Check that every rank of ``mesh`` passes local batches of the same shapes and dtypes.
+
+    Data-parallel ranks must hold equal parts of the global batch (DTensor's even split is what the
+    compiled graph assumes) and tensor-parallel ranks the same batch. Costs one all-gather of 4 int64
+    per call over the mesh's ranks (skipped on torch's fake process group, which has one real process).
+
+    Raises:
+        BatchError: on every rank at once, naming each rank's shapes or problem, when ranks differ,
+            a local batch is empty, a batch tensor lacks the batch dim, or tensors disagree on it.
+    """
+    problems = _batch_problems(leaves, plan)
+    shapes = [(tuple(t.shape), str(t.dtype)) for t in leaves]
+    group = _BatchCheck.group(mesh)
+    if dist.get_backend(group) == "fake":
+        if problems:
+            raise BatchError("; ".join(problems))
+        return
+    digest = torch.tensor(
+        [zlib.crc32(repr(shapes).encode()), len(leaves), int(bool(problems)), 0], dtype=torch.int64, device=mesh.device_type
+    )
+    gathered = torch.empty(dist.get_world_size(group) * 4, dtype=torch.int64, device=digest.device)
+    dist.all_gather_single(gathered, digest, group=group)
+    rows = gathered.view(-1, 4).tolist()
+    if all(row == rows[0] for row in rows) and not rows[0][2]:
+        return
+    # Something differs: every rank learns the details, and every rank raises the same error.
+    reports: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, (shapes, problems), group=group)
+    ranks = dist.get_process_group_ranks(group)
+    lines = []
+    for rank, (rank_shapes, rank_problems) in zip(ranks, reports):
+        shown = ", ".join(f"{tuple(s)} {d.replace('torch.', '')}" for s, d in rank_shapes)
+        lines.append(f"  rank {rank}: {shown}" + "".join(f"\n    problem: {p}" for p in rank_problems))
+    raise BatchError(
+        "the ranks' local batches do not form a global batch this plan can split evenly:\n"
+        + "\n".join(lines)
+        + "\n  fix: give every data-parallel rank the same number of rows (drop or pad the last, uneven "
+        "batch, e.g. DataLoader(drop_last=True) with a DistributedSampler), and tensor-parallel ranks "
+        "the same batch"
+    )
+
+
+class _StateReady(Exception):
+    """Raised by the wrapped ``_init_group`` to stop ``optimizer.step()`` before any update."""
+
+
+def initialize_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, attempted: set) -> bool:
+    """Create the optimizer's lazily created state (Adam's ``exp_avg``, ``step``, ...) before tracing.
+
+    torch's optimizers create state in ``_init_group`` on the first ``step()``; creating it up front
+    (as torch's compiled optimizer does) lets the first call trace the steady-state graph, so a training
+    loop compiles once. Runs ``optimizer.step()`` with zero gradients for the trainable parameters that
+    have no state, stopped right after ``_init_group`` of each param group, so no parameter, gradient
+    or step count changes. Optimizers without ``_init_group``, and optimizers whose first step differs
+    from later ones (SGD creates its momentum buffer from the first gradient), keep their lazy state:
+    their second call compiles the steady-state graph.
+
+    Returns whether any state was created. ``attempted`` (ids of parameters already tried) is updated.
+    """
+    init_group = getattr(type(optimizer), "_init_group", None)
+    if init_group is None:
+        return False
+    created = False
+    for group in optimizer.param_groups:
+        todo = [
+            p for p in group["params"] if p.requires_grad and not optimizer.state.get(p) and id(p) not in attempted
+        ]
+        if not todo:
+            continue
+        attempted.update(id(p) for p in todo)
+        saved_groups = optimizer.param_groups
+        saved_grads = [p.grad for p in todo]
+
+        def init_then_stop(self, *args, **kwargs):
+            init_group(self, *args, **kwargs)
+            raise _StateReady
+
+        optimizer._init_group = init_then_stop.__get__(optimizer)
+        try:
+            with torch.no_grad():
+                for p in todo:
+                    p.grad = torch.zeros_like(p)
+            optimizer.param_groups = [{**group, "params": todo}]
+            try:
+                optimizer.step()
+            except _StateReady:
+                pass
+        finally:
+            del optimizer._init_group
+            optimizer.param_groups = saved_groups
+            for p, g in zip(todo, saved_grads):
+                p.grad = g
+        created = created or any(optimizer.state.get(p) for p in todo)
+    return created

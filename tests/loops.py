@@ -1,0 +1,349 @@
+"""Training-loop idioms run compiled on W ranks and eagerly on one device, side by side.
+
+Each scenario trains a compiled copy and a reference copy of the same model for several steps, doing
+the same thing to both between steps (an LR scheduler step, a hyperparameter change, ``train()`` /
+``eval()``, freezing, a new optimizer, ...), and returns both sets of results for the test process to
+compare. ``run_scenarios`` is the worker for ``spmd_expand.launch.run_local``.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import spmd_expand as spmd
+from spmd_expand.plans import resolve_plan
+from spmd_expand.spec import local_slice
+
+STEPS = 4
+BATCH = 8
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class TwoLayer(nn.Module):
+    """An MLP whose forward depends on ``self.training`` (as dropout or BatchNorm would)."""
+
+    def __init__(self, d_in: int = 16, d_hidden: int = 32, d_out: int = 4):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.fc2 = nn.Linear(d_hidden, d_out)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        return self.fc2(h * 0.5 if self.training else h)
+
+
+def classification_step(model, optimizer, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def zero_grad_first_step(model, optimizer, x, y):
+    """``model.zero_grad()`` before forward (the order many loops use), no zero_grad at the end."""
+    model.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def optimizer_zero_grad_first_step(model, optimizer, x, y):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def zero_grad_keep_step(model, optimizer, x, y):
+    """``zero_grad(set_to_none=False)``: gradients stay allocated (zeros) between calls."""
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+    return loss
+
+
+def grads_step(model, optimizer, x, y):
+    """Returns the gradients read through the module: ``[p.grad for p in model.parameters()]``."""
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss, grads
+
+
+def clip_norm_step(model, optimizer, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss, norm
+
+
+def clip_value_step(model, optimizer, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_value_(model.parameters(), clip_value=0.01)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _batch(i: int, rows: int = BATCH):
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(rows, 16, generator=g), torch.randint(0, 4, (rows,), generator=g)
+
+
+def run_loop(
+    mesh,
+    plan,
+    *,
+    model_fn: Callable[[], nn.Module] = TwoLayer,
+    optimizer_fn: Callable = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    step: Callable = classification_step,
+    between: Optional[Callable] = None,
+    steps: int = STEPS,
+    lower: str = "eager",
+) -> dict:
+    """Train compiled and reference copies for ``steps`` calls; ``between(i, pair)`` runs before call i
+    on both ``pair = {"model", "optimizer"}`` dicts (it may replace either object)."""
+    torch.manual_seed(0)
+    model = model_fn()
+    ref_model = copy.deepcopy(model)
+    compiled_pair = {"model": model, "optimizer": optimizer_fn(model.parameters())}
+    ref_pair = {"model": ref_model, "optimizer": optimizer_fn(ref_model.parameters())}
+    compiled = spmd.compile(mesh=mesh, plan=plan, lower=lower)(step)
+    outs, ref_outs = [], []
+    for i in range(steps):
+        if between is not None:
+            between(i, compiled_pair)
+            between(i, ref_pair)
+        x, y = _batch(i)
+        resolved = resolve_plan(plan, mesh, compiled_pair["model"])
+        local = [local_slice(t, mesh, resolved.batch_placements(t)) for t in (x, y)]
+        outs.append(compiled(compiled_pair["model"], compiled_pair["optimizer"], *local))
+        ref_outs.append(step(ref_pair["model"], ref_pair["optimizer"], x, y))
+
+    def states(pair):
+        return {
+            f"{k}.{s}": _full(t).detach().clone()
+            for k, p in pair["model"].named_parameters()
+            for s, t in pair["optimizer"].state.get(p, {}).items()
+            if isinstance(t, torch.Tensor)
+        }
+
+    return {
+        "outs": outs,
+        "ref_outs": ref_outs,
+        "params": {k: _full(v).detach().clone() for k, v in compiled_pair["model"].named_parameters()},
+        "ref_params": {k: v.detach().clone() for k, v in ref_pair["model"].named_parameters()},
+        "states": states(compiled_pair),
+        "ref_states": states(ref_pair),
+        "compilations": sum(len(v) for v in compiled.cache.values()),
+    }
+
+
+# ---------------------------------------------------------------- what changes between calls
+def set_lr(i, pair):
+    for g in pair["optimizer"].param_groups:
+        g["lr"] = 1e-2 * (i + 1)
+
+
+def change_hyperparameters(i, pair):
+    g = pair["optimizer"].param_groups[0]
+    g["betas"] = (0.9 - 0.05 * i, 0.999 - 0.001 * i)
+    g["weight_decay"] = 0.1 + 0.05 * i
+    g["eps"] = 1e-8 * (i + 1)
+
+
+def change_momentum(i, pair):
+    g = pair["optimizer"].param_groups[0]
+    g["momentum"] = 0.5 + 0.1 * i
+    g["lr"] = 0.05 + 0.01 * i
+
+
+def scheduler(make: Callable) -> Callable:
+    """Create the scheduler before the first call and step it after every call (as a loop does)."""
+
+    def between(i, pair):
+        if i == 0:
+            pair["scheduler"] = make(pair["optimizer"])
+        else:
+            pair["scheduler"].step()
+
+    return between
+
+
+def toggle_train_eval(i, pair):
+    pair["model"].train(i % 2 == 0)
+
+
+def freeze_unfreeze(i, pair):
+    pair["model"].fc1.weight.requires_grad_(i not in (1, 2))
+
+
+def new_optimizer(i, pair):
+    if i == 2:
+        pair["optimizer"] = torch.optim.SGD(pair["model"].parameters(), lr=0.05, momentum=0.9)
+
+
+def new_model(i, pair):
+    if i == 2:
+        torch.manual_seed(7)
+        pair["model"] = TwoLayer()
+        pair["optimizer"] = torch.optim.AdamW(pair["model"].parameters(), lr=1e-2)
+
+
+def _deep_mlp():
+    layers = []
+    for _ in range(10):
+        layers += [nn.Linear(32, 32), nn.ReLU()]
+    return nn.Sequential(nn.Linear(16, 32), *layers, nn.Linear(32, 4))
+
+
+SCENARIOS: dict[str, dict] = {
+    "lr_set_directly_sgd": dict(optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=1e-2), between=set_lr),
+    "lr_set_directly_adamw": dict(between=set_lr),
+    "step_lr": dict(between=scheduler(lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))),
+    "cosine": dict(between=scheduler(lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=3))),
+    "linear_warmup": dict(between=scheduler(lambda o: torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=3))),
+    "one_cycle_adam_foreach": dict(
+        optimizer_fn=lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True),
+        between=scheduler(lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=5e-2, total_steps=STEPS + 1)),
+    ),
+    "one_cycle_sgd": dict(
+        optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+        between=scheduler(lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=5e-2, total_steps=STEPS + 1)),
+    ),
+    "betas_weight_decay_eps": dict(
+        optimizer_fn=lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
+        between=change_hyperparameters,
+    ),
+    "momentum": dict(optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.5, foreach=True), between=change_momentum),
+    "train_eval": dict(between=toggle_train_eval),
+    "freeze_unfreeze": dict(between=freeze_unfreeze),
+    "new_optimizer": dict(between=new_optimizer),
+    "new_model": dict(between=new_model),
+    "zero_grad_first": dict(step=zero_grad_first_step),
+    "optimizer_zero_grad_first": dict(step=optimizer_zero_grad_first_step),
+    "zero_grad_set_to_none_false": dict(step=zero_grad_keep_step),
+    "grads_through_module": dict(step=grads_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1)),
+    "clip_grad_norm": dict(step=clip_norm_step),
+    "clip_grad_value": dict(step=clip_value_step),
+    # Adam's default path on CPU (single-tensor) and foreach, 5 steps of a 10-layer MLP at lr 1e-2:
+    # the traced update rounds like eager except for bias corrections computed in float32.
+    "adam_single_tensor_deep": dict(model_fn=_deep_mlp, optimizer_fn=lambda ps: torch.optim.Adam(ps, lr=1e-2), steps=5),
+    "adam_foreach_deep": dict(model_fn=_deep_mlp, optimizer_fn=lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True), steps=5),
+}
+
+PLANS = {
+    "ddp": (None, lambda: spmd.DDP()),
+    "fsdp": (None, lambda: spmd.FSDP()),
+    "tp": (None, lambda: spmd.TensorParallel({"fc1": _colwise(), "fc2": _rowwise()})),
+    "fsdp+tp": (("dp", "tp"), lambda: {"dp": spmd.FSDP(), "tp": spmd.TensorParallel({"fc1": _colwise(), "fc2": _rowwise()})}),
+}
+
+
+def _colwise():
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    return ColwiseParallel()
+
+
+def _rowwise():
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    return RowwiseParallel()
+
+
+def _mesh(plan: str, world: int):
+    names = PLANS[plan][0]
+    if names is None:
+        return init_device_mesh("cpu", (world,))
+    return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=names)
+
+
+def run_scenarios(rank: int, world: int, names: list[str], plan: str = "ddp") -> dict:
+    """Worker: run each named scenario under ``plan``; errors are returned per scenario."""
+    mesh = _mesh(plan, world)
+    results = {}
+    for name in names:
+        try:
+            results[name] = run_loop(mesh, PLANS[plan][1](), **SCENARIOS[name])
+        except Exception:  # noqa: BLE001 - reported per scenario by the test
+            results[name] = {"error": traceback.format_exc()}
+    return results
+
+
+# ---------------------------------------------------------------- refused batches
+def run_bad_batches(rank: int, world: int) -> dict:
+    """Worker: each case passes batches the plan cannot split; returns the error text per case."""
+    mesh = init_device_mesh("cpu", (world,))
+    cases = {
+        # (rows on rank 0, rows on rank 1)
+        "uneven_4_6": (4, 6),
+        "global_7": (4, 3),
+        "empty_rank": (4, 0),
+    }
+    results = {}
+    for name, rows in cases.items():
+        torch.manual_seed(0)
+        model = TwoLayer()
+        step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(classification_step)
+        x, y = _batch(0, rows[rank])
+        try:
+            step(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
+            results[name] = "no error"
+        except spmd.SpmdError as e:
+            results[name] = f"{type(e).__name__}: {e}"
+    torch.manual_seed(0)
+    model = TwoLayer()
+    step = spmd.compile(mesh=mesh, plan=spmd.DDP(batch_dim=2), lower="eager")(classification_step)
+    x, y = _batch(0, 4)
+    try:
+        step(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
+        results["missing_batch_dim"] = "no error"
+    except spmd.SpmdError as e:
+        results["missing_batch_dim"] = f"{type(e).__name__}: {e}"
+    # After refusals, a good batch still trains (nothing was lost, no rank is stuck).
+    x, y = _batch(1, 4)
+    step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(classification_step)
+    results["after"] = step(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
+    return results
+
+
+def scheduler_inside_step(rank: int, world: int) -> str:
+    """Worker: an LR scheduler stepped inside the compiled step is refused with a clear error."""
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = TwoLayer()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+    def step(model, optimizer, x, y):
+        loss = classification_step(model, optimizer, x, y)
+        sched.step()
+        return loss
+
+    x, y = _batch(0, 4)
+    try:
+        spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(step)(model, optimizer, x, y)
+        return "no error"
+    except spmd.SpmdError as e:
+        return f"{type(e).__name__}: {e}"

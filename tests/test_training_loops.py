@@ -1,0 +1,122 @@
+"""Real training-loop idioms keep the single-device promise, or are refused with a clear error.
+
+Every scenario changes something between calls (LR schedulers, hyperparameters, train/eval, freezing,
+new optimizer or model objects) or uses a common construct inside the step (zero_grad first,
+``set_to_none=False``, gradients read through the module, gradient clipping), and compares 4+ steps
+on 2 real gloo ranks with the same loop run eagerly on one device over the global batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import loops
+from spmd_expand.launch import run_local
+
+RTOL, ATOL = 1e-4, 1e-5
+
+DDP = list(loops.SCENARIOS)
+CLIP = ["clip_grad_norm", "clip_grad_value", "grads_through_module", "zero_grad_set_to_none_false"]
+FSDP = CLIP + ["step_lr", "one_cycle_adam_foreach", "freeze_unfreeze", "zero_grad_first"]
+TP = CLIP + ["cosine", "train_eval"]
+TWO_D = ["clip_grad_norm", "grads_through_module"]
+
+# Compilations per loop: AdamW's lazy state is created before tracing, so a loop compiles once even
+# while its learning rate and other hyperparameters change every step.
+ONE_COMPILATION = [
+    "lr_set_directly_adamw",
+    "step_lr",
+    "cosine",
+    "linear_warmup",
+    "one_cycle_adam_foreach",
+    "betas_weight_decay_eps",
+    "clip_grad_norm",
+    "adam_foreach_deep",
+]
+
+
+@pytest.fixture(scope="module")
+def results():
+    memo: dict = {}
+
+    def get(plan: str, names: list[str], world: int = 2) -> list[dict]:
+        if plan not in memo:
+            memo[plan] = run_local(loops.run_scenarios, world, names, plan, timeout_s=1200)
+        return memo[plan]
+
+    return get
+
+
+def _close(actual, expected, what):
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+def check(per_rank: list[dict], name: str) -> dict:
+    for rank, res in enumerate(per_rank):
+        r = res[name]
+        assert "error" not in r, f"rank {rank} failed:\n{r['error']}"
+        for i, (out, ref) in enumerate(zip(r["outs"], r["ref_outs"])):
+            _close(out, ref, f"step {i} returned values")
+        assert r["params"].keys() == r["ref_params"].keys()
+        for k in r["ref_params"]:
+            _close(r["params"][k], r["ref_params"][k], f"param {k}")
+        assert r["states"].keys() == r["ref_states"].keys()
+        for k in r["ref_states"]:
+            _close(r["states"][k], r["ref_states"][k], f"state {k}")
+    return per_rank[0][name]
+
+
+@pytest.mark.parametrize("name", DDP)
+def test_ddp(results, name):
+    check(results("ddp", DDP), name)
+
+
+@pytest.mark.parametrize("name", FSDP)
+def test_fsdp(results, name):
+    check(results("fsdp", FSDP), name)
+
+
+@pytest.mark.parametrize("name", TP)
+def test_tensor_parallel(results, name):
+    check(results("tp", TP), name)
+
+
+@pytest.mark.parametrize("name", TWO_D)
+def test_fsdp_tp_2x2(results, name):
+    check(results("fsdp+tp", TWO_D, world=4), name)
+
+
+@pytest.mark.parametrize("name", ONE_COMPILATION)
+def test_one_compilation_per_loop(results, name):
+    assert check(results("ddp", DDP), name)["compilations"] == 1
+
+
+def test_recompiles_where_structure_changes(results):
+    r = {name: check(results("ddp", DDP), name)["compilations"] for name in DDP}
+    # SGD with momentum creates its buffer from the first gradient: first-call and steady graphs.
+    assert r["one_cycle_sgd"] == 2
+    assert r["train_eval"] == 2  # train and eval graphs, each compiled once
+    assert r["freeze_unfreeze"] == 2
+    assert r["new_optimizer"] == 3  # AdamW, then SGD's first-call and steady-state graphs
+    assert r["new_model"] == 2
+
+
+def test_refused_batches():
+    per_rank = run_local(loops.run_bad_batches, 2, timeout_s=600)
+    for rank, res in enumerate(per_rank):
+        assert res["uneven_4_6"].startswith("BatchError"), res["uneven_4_6"]
+        assert "rank 0: (4, 16) float32, (4,) int64" in res["uneven_4_6"]
+        assert "rank 1: (6, 16) float32, (6,) int64" in res["uneven_4_6"]
+        assert "rank 1: (3, 16)" in res["global_7"]
+        assert "empty on batch dim 0" in res["empty_rank"], res["empty_rank"]
+        assert "no batch dim 2" in res["missing_batch_dim"], res["missing_batch_dim"]
+        assert torch.isfinite(res["after"])
+    assert per_rank[0]["uneven_4_6"] == per_rank[1]["uneven_4_6"]  # every rank raises the same error
+
+
+def test_scheduler_inside_step_is_refused():
+    for message in run_local(loops.scheduler_inside_step, 2, timeout_s=600):
+        assert message.startswith("TraceError"), message
+        assert "changed optimizer.param_groups[0] settings" in message and "'lr'" in message
+        assert "scheduler.step() after the compiled step" in message
