@@ -11,7 +11,7 @@ Stages (one module each): trace -> propagate -> expand -> passes -> lower; see `
 from . import ops  # noqa: F401  (registers spmd_expand::gradient)
 from .api import CompiledStep, Override, StepArtifacts, compile
 from .dsymint import DSymInt
-from .errors import PlacementError, PlanError, SpmdError, TraceError, UnsupportedOpError
+from .errors import BatchError, PlacementError, PlanError, SpmdError, TraceError, UnsupportedOpError
 from .plans import DDP, FSDP, ParallelStyle, TensorParallel
 
 __all__ = [
@@ -29,4 +29,5 @@ __all__ = [
     "PlanError",
     "UnsupportedOpError",
     "PlacementError",
+    "BatchError",
 ]

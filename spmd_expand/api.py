@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -288,6 +289,15 @@ class CompiledStep:
         compiled = self.cache.setdefault(key, [])
         artifacts = next((a for a in compiled if a.traced.guards.check(values) is None), None)
         if artifacts is None:
+            if compiled:
+                failed = compiled[-1].traced.guards.check(values)
+                warnings.warn(
+                    f"spmd.compile: compiling {getattr(self.fn, '__name__', 'the step')} again ({len(compiled) + 1} "
+                    f"graphs for this step): the traced code assumed {failed}. A hyperparameter that a code path "
+                    f"or a fused kernel takes as a constant recompiles on every change; with a scheduler, prefer "
+                    f"foreach=True over fused=True",
+                    stacklevel=3,
+                )
             artifacts = self._compile(args, kwargs, model, optimizer, roles, specs, placements, locals_ + values)
             compiled.append(artifacts)
         self.last = artifacts

@@ -319,6 +319,9 @@ _RULES: dict[Any, Callable] = {
     aten._fused_adam.default: _fused_optimizer_rule(5),
     aten._fused_adamw.default: _fused_optimizer_rule(5),
     aten._fused_sgd.default: _fused_optimizer_rule(3),
+    aten._fused_adam.tensor_lr: _fused_optimizer_rule(5),
+    aten._fused_adamw.tensor_lr: _fused_optimizer_rule(5),
+    aten._fused_sgd.tensor_lr: _fused_optimizer_rule(3),
     aten.lift_fresh_copy.default: constant_rule,
 }
 _RULES.update({op: factory_rule for op in FACTORY_OPS})

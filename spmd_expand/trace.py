@@ -191,6 +191,9 @@ _FUNCTIONAL_VARIANT = {
     aten._fused_adam_.default: (aten._fused_adam.default, (0, 1, 2, 3, 4)),
     aten._fused_adamw_.default: (aten._fused_adamw.default, (0, 1, 2, 3, 4)),
     aten._fused_sgd_.default: (aten._fused_sgd.default, (0, 1, 2)),
+    aten._fused_adam_.tensor_lr: (aten._fused_adam.tensor_lr, (0, 1, 2, 3, 4)),
+    aten._fused_adamw_.tensor_lr: (aten._fused_adamw.tensor_lr, (0, 1, 2, 3, 4)),
+    aten._fused_sgd_.tensor_lr: (aten._fused_sgd.tensor_lr, (0, 1, 2)),
 }
 
 
@@ -397,7 +400,11 @@ def _optimizer_on(
         group["params"] = [swap[id(p)] for p in group["params"]]
     for hp, value in zip(hyperparameters, values):
         group = optimizer.param_groups[hp.group]
-        if hp.index is None:
+        if hp.key == "lr" and group.get("fused"):
+            # Fused kernels take a float lr as a constant; their tensor-lr overload keeps it an input
+            # (float64: the value the kernel reads is the float the eager step passes).
+            group[hp.key] = torch.scalar_tensor(value, dtype=torch.float64)
+        elif hp.index is None:
             group[hp.key] = value
         else:
             group[hp.key] = tuple(value if i == hp.index else v for i, v in enumerate(group[hp.key]))
