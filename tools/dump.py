@@ -483,7 +483,8 @@ def dump_step(job: Job, plan_name: str, mesh: DeviceMesh, source: str) -> Dump:
         compiled(job.model, job.optimizer, *job.batch)
     artifacts = compiled.last
     traced = artifacts.traced
-    roles = traced.inputs
+    # Hyperparameters follow the tensor inputs: %hyperparameter:0.lr = placeholder().
+    roles = list(traced.inputs) + [InputRole("hyperparameter", key=hp.name) for hp in traced.hyperparameters]
     groups = {mesh.get_group(d).group_name: name for d, name in enumerate(dim_names)}
 
     expanded = expand(traced.graph_module, RedistributeCache())
