@@ -135,26 +135,24 @@ def _batch_problems(leaves: Sequence[torch.Tensor], plan: ResolvedPlan) -> list[
     return problems
 
 
-class _BatchCheck:
-    """One process group over all ranks of a mesh, made once per mesh.
+_SUBMESH_GROUPS: dict[tuple, Any] = {}
+
+
+def _mesh_group(mesh: DeviceMesh):
+    """A process group over all ranks of ``mesh``.
 
     Not ``DeviceMesh._flatten()``: flattening a 2-D mesh changed how DTensor redistributed on it
     afterwards (FSDP+TP parameters came out wrong) in torch 2.13.
     """
-
-    groups: "weakref.WeakKeyDictionary[DeviceMesh, Any]" = weakref.WeakKeyDictionary()
-
-    @classmethod
-    def group(cls, mesh: DeviceMesh):
-        if mesh not in cls.groups:
-            if mesh.ndim == 1:
-                group = mesh.get_group()
-            elif mesh.size() == dist.get_world_size():
-                group = dist.group.WORLD
-            else:  # every rank reaches this on the same (first) call
-                group = dist.new_group(sorted(mesh.mesh.flatten().tolist()))
-            cls.groups[mesh] = group
-        return cls.groups[mesh]
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    if mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    ranks = tuple(sorted(mesh.mesh.flatten().tolist()))
+    key = (ranks, id(dist.group.WORLD))
+    if key not in _SUBMESH_GROUPS:  # every rank of the job reaches this on the same (first) call
+        _SUBMESH_GROUPS[key] = dist.new_group(list(ranks))
+    return _SUBMESH_GROUPS[key]
 
 
 def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: DeviceMesh) -> None:
@@ -170,11 +168,11 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: Device
     """
     problems = _batch_problems(leaves, plan)
     shapes = [(tuple(t.shape), str(t.dtype)) for t in leaves]
-    group = _BatchCheck.group(mesh)
-    if dist.get_backend(group) == "fake":
+    if dist.get_backend() == "fake":
         if problems:
             raise BatchError("; ".join(problems))
         return
+    group = _mesh_group(mesh)
     digest = torch.tensor(
         [zlib.crc32(repr(shapes).encode()), len(leaves), int(bool(problems)), 0], dtype=torch.int64, device=mesh.device_type
     )

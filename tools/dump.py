@@ -438,10 +438,14 @@ class Dump:
 
 
 def _local_examples(traced_gm: fx.GraphModule) -> list[torch.Tensor]:
-    """Rank 0's local input tensors (uninitialized), from each placeholder's global spec and placements."""
+    """Rank 0's local inputs: tensors (uninitialized) from each placeholder's global spec and placements,
+    and the example value of each hyperparameter."""
     examples = []
     for node in traced_gm.graph.find_nodes(op="placeholder"):
         spec: DTensorSpec = node.meta["spmd"].output
+        if not isinstance(spec, DTensorSpec):
+            examples.append(spec)
+            continue
         meta = spec.tensor_meta
         shape = local_shape(spec)
         examples.append(torch.empty_strided(shape, local_strides(meta.shape, meta.stride, shape), dtype=meta.dtype))
