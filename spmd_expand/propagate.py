@@ -14,6 +14,7 @@ from __future__ import annotations
 import operator
 from typing import Any, Callable, Optional
 
+import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
@@ -60,7 +61,9 @@ class _Propagator:
                 node.meta["spmd"] = NodeSharding(output=tensor_spec(self.mesh, next(placeholders), node.meta["val"]))
             elif node.op == "get_attr":
                 val = getattr(self.traced.graph_module, node.target)
-                node.meta["spmd"] = NodeSharding(output=tensor_spec(self.mesh, replicate(self.mesh), val))
+                # A constant: a tensor (replicated), or an object such as a torch.Generator passed to a random op.
+                output = tensor_spec(self.mesh, replicate(self.mesh), val) if isinstance(val, torch.Tensor) else None
+                node.meta["spmd"] = NodeSharding(output=output)
             elif node.op == "call_function":
                 node.meta["spmd"] = self.call_function(node)
             elif node.op == "output":
