@@ -326,12 +326,13 @@ def random_rule(node: fx.Node, prop):
         ref = specs[0]
         inputs = [None if i in random_op.carriers else g for i, g in enumerate(gathered)]
     else:  # "values": the draw reads its inputs
-        ref = next(s for s in specs if s is not None)
+        ref = next((s for s in specs if s is not None), None)
         inputs = gathered
-    outputs = [
-        tensor_spec(prop.mesh, rng.keep_shards(ref.placements, ref.tensor_meta.shape, v.shape), v) if isinstance(v, torch.Tensor) else None
-        for v in vals
-    ]
+
+    def placements(v):
+        return rng.keep_shards(ref.placements, ref.tensor_meta.shape, v.shape) if ref is not None else replicate(prop.mesh)
+
+    outputs = [tensor_spec(prop.mesh, placements(v), v) if isinstance(v, torch.Tensor) else None for v in vals]
     output = outputs[0] if not isinstance(node.meta["val"], (tuple, list)) else type(node.meta["val"])(outputs)
     return NodeSharding(inputs=tuple(inputs), output=output, random=random_op)
 
