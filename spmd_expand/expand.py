@@ -8,7 +8,8 @@ reduce_scatter_tensor, all_to_all_single from ``torch.ops._c10d_functional``, ea
 inlined. A value is redistributed to a given placement at most once.
 
 Size arguments are rewritten to local sizes from the output's placement (see
-:mod:`spmd_expand.dsymint` for which value a DSymInt contributes where).
+:mod:`spmd_expand.dsymint` for which value a DSymInt contributes where). Random ops are drawn at their
+global size on every rank and sliced to this rank's part (see :mod:`spmd_expand.rng`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from . import rng
 from .dsymint import DSymInt, local_strides
 from .ops import GRADIENT, LAYOUT, UNSHARD
 from .rules import SIZE_ARG
@@ -219,6 +221,9 @@ class _Expander:
         if isinstance(sharding.output, DSymInt):
             self.local[node] = sharding.output  # resolved per consumer below
             return
+        if node.target is operator.getitem and isinstance(self.local[node.args[0]], tuple):
+            self.local[node] = self.local[node.args[0]][node.args[1]]  # outputs emitted one by one (random ops)
+            return
         if node.target is operator.getitem:
             new = self.graph.call_function(operator.getitem, (self.local[node.args[0]], node.args[1]))
             new.meta["spmd"] = sharding
@@ -233,6 +238,9 @@ class _Expander:
             return
         if node.target is LAYOUT:
             self.local[node] = self.redistribute(node.args[0], sharding.inputs[0], consumer=node)
+            return
+        if sharding.random is not None:
+            self.local[node] = self._random(node, sharding)
             return
         if node.target is UNSHARD:
             # Each unshard marker is its own gather point: a parameter re-gathered for backward
@@ -260,6 +268,17 @@ class _Expander:
             new.meta["custom"] = node.meta["custom"]
         self.local[node] = new
         self._inherit_mask(node)
+
+    def _random(self, node: fx.Node, sharding: NodeSharding) -> Any:
+        """A random op: drawn at global size on every rank, this rank keeps its part (see rng)."""
+
+        def local_value(leaf: fx.Node, spec: Optional[DTensorSpec]) -> Any:
+            value = self.local[leaf]
+            return value.global_value if isinstance(value, DSymInt) else self.redistribute(leaf, spec, consumer=node)
+
+        return rng.emit_global_draw(
+            self.graph, node, sharding, sharding.random, lambda n: self.spmd(n).output, local_value
+        )
 
     def _inherit_mask(self, node: fx.Node) -> None:
         """A _MaskPartial output keeps the mask of the input it came from (or of its partitioned input)."""

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
 
 from .errors import SpmdError
+from .rng import draws_random
 
 __all__ = ["LOWERINGS", "lower"]
 
@@ -21,13 +23,21 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], mode: str)
     functional collectives in the graph are lowered by Inductor and run on the default process group.
     ``"eager"`` returns ``gm`` itself. Both mutate parameter/state inputs in place (their ``copy_``).
 
+    Inductor normally replaces random ops by its own generator (Philox-style seeds it draws once per
+    call), whose values differ from ATen's; the single-device promise needs ATen's draws, so a graph
+    that draws random numbers is compiled with ``torch._inductor.config.fallback_random`` set for this
+    compilation only. Inductor then calls the ATen ops and keeps them in program order.
+
     Raises:
         SpmdError: an unknown ``mode``.
     """
     if mode == "eager":
         return gm
     if mode == "inductor":
+        from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, list(example_inputs))
+        draws = any(draws_random(n) for n in gm.graph.nodes)
+        with inductor_config.patch(fallback_random=True) if draws else contextlib.nullcontext():
+            return compile_fx(gm, list(example_inputs))
     raise SpmdError(f"lower={mode!r} is not one of {LOWERINGS}")

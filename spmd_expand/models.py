@@ -1,7 +1,8 @@
 """Reference models for tests, benchmarks and ``spmd-expand train``.
 
-Both models are deterministic (no dropout) so single-device and distributed runs of the same
-training step can be compared exactly. Module attribute names are part of the interface:
+Both models are deterministic by default (``GPTConfig.dropout=0``); with dropout on, the
+distributed step still equals the single-device one when every rank is seeded alike (see
+:mod:`spmd_expand.rng`). Module attribute names are part of the interface:
 tensor-parallel plans address submodules by fully qualified name globs such as
 ``layers.*.attn.q_proj`` or ``layers.*.mlp.fc1``.
 """
@@ -57,6 +58,8 @@ class GPTConfig:
         n_layer: number of transformer blocks.
         n_head: number of attention heads; must divide ``n_embd``.
         n_embd: model width.
+        dropout: drop probability of the attention weights (SDPA's ``dropout_p``) and of each
+            block's two residual branches, in training mode; 0 traces no dropout at all.
     """
 
     vocab_size: int = 128
@@ -64,6 +67,7 @@ class GPTConfig:
     n_layer: int = 2
     n_head: int = 4
     n_embd: int = 64
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head != 0:
@@ -85,6 +89,7 @@ class CausalSelfAttention(nn.Module):
         self.k_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
         self.v_proj = nn.Linear(config.n_embd, config.n_embd)
         self.out_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -93,7 +98,8 @@ class CausalSelfAttention(nn.Module):
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, T, head_dim)
+        dropout_p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)  # (B, heads, T, head_dim)
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.out_proj(y)
 
@@ -110,10 +116,15 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config.n_embd, 4 * config.n_embd, config.n_embd, activation=nn.GELU)
+        self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        x = x + self._residual_dropout(self.attn(self.ln1(x)))
+        return x + self._residual_dropout(self.mlp(self.ln2(x)))
+
+    def _residual_dropout(self, h: torch.Tensor) -> torch.Tensor:
+        # Skipped entirely at p=0: F.dropout(p=0) would still trace a copy into the graph.
+        return F.dropout(h, self.dropout, self.training) if self.dropout else h
 
 
 class GPT(nn.Module):

@@ -65,7 +65,9 @@ class _Propagator:
                 node.meta["spmd"] = NodeSharding(output=tensor_spec(self.mesh, next(placeholders), node.meta["val"]))
             elif node.op == "get_attr":
                 val = getattr(self.traced.graph_module, node.target)
-                node.meta["spmd"] = NodeSharding(output=tensor_spec(self.mesh, replicate(self.mesh), val))
+                # A constant: a tensor (replicated), or an object such as a torch.Generator passed to a random op.
+                output = tensor_spec(self.mesh, replicate(self.mesh), val) if isinstance(val, torch.Tensor) else None
+                node.meta["spmd"] = NodeSharding(output=output)
             elif node.op == "call_function":
                 node.meta["spmd"] = self.call_function(node)
             elif node.op == "output":

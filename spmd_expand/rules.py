@@ -27,6 +27,12 @@
   size came from a sharded batch dim; when one did, the output is sharded the same way instead of being
   materialized at global size and split afterwards.
 
+* Random ops (every op tagged ``nondeterministic_seeded`` that draws): DTensor's own strategies for
+  them let each rank draw its shard from its own generator, which gives every data-parallel rank the
+  same "first rows" of randomness. Here the output takes the placement its inputs suggest and is
+  expanded as a global draw that each rank slices (:mod:`spmd_expand.rng` says why and how); shape
+  carriers are never redistributed, inputs whose values the draw reads are replicated.
+
 A rule takes ``(node, propagator)`` and returns a ``NodeSharding``, or None to defer to DTensor.
 """
 
@@ -36,12 +42,15 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
+from . import rng
 from .dsymint import DSymInt
+from .errors import UnsupportedOpError, node_error
 from .ops import GRADIENT, LAYOUT, UNSHARD
-from .spec import AS_PRODUCED, NodeSharding, spec_with_meta, tensor_spec
+from .spec import AS_PRODUCED, NodeSharding, replicate, spec_with_meta, tensor_spec
 
 __all__ = ["lookup", "SIZE_ARG"]
 
@@ -275,6 +284,59 @@ def _fused_optimizer_rule(num_lists: int):
     return rule
 
 
+def random_rule(node: fx.Node, prop):
+    """Placements of a random op, expanded as a global draw (see :mod:`spmd_expand.rng`).
+
+    Returns None (DTensor's rule) when the op's arguments switch the draw off.
+
+    Raises:
+        UnsupportedOpError: the op hands its random state to another op (fused attention with dropout).
+    """
+    random_op = rng.classify(node)
+    if random_op is None:
+        return None
+    leaves, _ = pytree.tree_flatten((node.args, node.kwargs))
+    specs = [prop.output_of(a) if isinstance(a, fx.Node) else None for a in leaves]
+    specs = [s if isinstance(s, DTensorSpec) else None for s in specs]
+    if random_op.kind == "unsupported":
+        raise node_error(
+            UnsupportedOpError,
+            node,
+            f"random op cannot be split across ranks exactly: {random_op.reason}",
+            placements=[s.placements for s in specs if s is not None],
+            fix=random_op.fix,
+        )
+    vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else [node.meta["val"]]
+    gathered = [spec_with_meta(prop.mesh, replicate(prop.mesh), s.tensor_meta) if s is not None else None for s in specs]
+
+    if random_op.kind == "sizes":
+        size = rng.bound_args(node)[random_op.size_arg]
+        # A permutation (randperm(n)) holds indices into all n rows: no rank's slice of it is "its
+        # rows", so it stays whole; a tensor drawn at a sharded batch size is split like the batch.
+        sizes = [_sym(prop, s) for s in size] if isinstance(size, (list, tuple)) else []
+        placements = _sharded_placements(prop, sizes) or replicate(prop.mesh)
+        return NodeSharding(inputs=(), output=_out_spec(prop, node, placements), random=random_op)
+    if random_op.kind == "dropout":
+        x = specs[0]
+        value, mask = rng.dropout_placements(x.placements)
+        inputs = [spec_with_meta(prop.mesh, value, x.tensor_meta)] + [None] * (len(leaves) - 1)
+        output = (tensor_spec(prop.mesh, value, vals[0]), tensor_spec(prop.mesh, mask, vals[1]))
+        return NodeSharding(inputs=tuple(inputs), output=output, random=random_op)
+    if random_op.kind == "like":
+        ref = specs[0]
+        inputs = [None if i in random_op.carriers else g for i, g in enumerate(gathered)]
+    else:  # "values": the draw reads its inputs
+        ref = next((s for s in specs if s is not None), None)
+        inputs = gathered
+
+    def placements(v):
+        return rng.keep_shards(ref.placements, ref.tensor_meta.shape, v.shape) if ref is not None else replicate(prop.mesh)
+
+    outputs = [tensor_spec(prop.mesh, placements(v), v) if isinstance(v, torch.Tensor) else None for v in vals]
+    output = outputs[0] if not isinstance(node.meta["val"], (tuple, list)) else type(node.meta["val"])(outputs)
+    return NodeSharding(inputs=tuple(inputs), output=output, random=random_op)
+
+
 def _register_dtensor_strategies() -> None:
     from torch.distributed.tensor import DTensor
 
@@ -331,4 +393,7 @@ _RULES.update({op: sharded_size_rule for op in NEW_FACTORY_OPS | {aten.expand.de
 
 def lookup(target: Any) -> Optional[Callable]:
     """The spmd_expand rule for ``target``, or None where DTensor's own rule applies."""
-    return _RULES.get(target)
+    rule = _RULES.get(target)
+    if rule is None and rng.is_random(target):
+        return random_rule
+    return rule

@@ -36,6 +36,9 @@ class NodeSharding:
     output: Any = None
     # Marker nodes whose gradient stays rank-local (DDP ignored_modules): no redistribution.
     rank_local: bool = field(default=False)
+    # Random ops: the spmd_expand.rng.RandomOp that expansion emits as a global draw plus this
+    # rank's part of it (None for every other node).
+    random: Any = field(default=None)
 
 
 def concrete(x: Any) -> Any:
