@@ -1,7 +1,7 @@
 """``spmd.compile``: the user-facing entry point, and the training state it keeps as DTensors.
 
-Pipeline per distinct input signature (first call, and again when e.g. optimizer state appears):
-trace (global graph) -> propagate (placements) -> expand (local graph) -> passes -> lower.
+Pipeline per distinct state of the call (see :mod:`spmd_expand.guards` for what is checked on
+every call): trace (global graph) -> propagate (placements) -> expand (local graph) -> passes -> lower.
 """
 
 from __future__ import annotations
@@ -294,8 +294,8 @@ class CompiledStep:
                 warnings.warn(
                     f"spmd.compile: compiling {getattr(self.fn, '__name__', 'the step')} again ({len(compiled) + 1} "
                     f"graphs for this step): the traced code assumed {failed}. A hyperparameter that a code path "
-                    f"or a fused kernel takes as a constant recompiles on every change; with a scheduler, prefer "
-                    f"foreach=True over fused=True",
+                    f"or a kernel takes as a constant recompiles on every change; when a scheduler changes betas or "
+                    f"momentum, prefer foreach=True",
                     stacklevel=3,
                 )
             artifacts = self._compile(args, kwargs, model, optimizer, roles, specs, placements, locals_ + values)
@@ -376,8 +376,10 @@ def compile(
     equals the single-device step over the global batch (the ranks' batches concatenated along the
     plan's batch dim), returned as plain full tensors.
 
-    The first call traces and compiles; calls with another input signature (shapes, dtypes, newly
-    created optimizer state) compile again. After the first call the model's parameters and the
+    The first call traces and compiles; a later call whose state the graph did not see (another model
+    or optimizer, ``train()``/``eval()``, ``requires_grad``, shapes, param-group structure; see
+    :mod:`spmd_expand.guards`) compiles again. Float hyperparameters (``lr``, ``betas``, ...) are graph
+    inputs: LR schedulers need no recompilation. After the first call the model's parameters and the
     optimizer's states are DTensors with the plan's placements (the model's parameters are new
     ``nn.Parameter`` objects: re-read them from the model rather than keeping old references).
 
@@ -389,7 +391,8 @@ def compile(
         module_override: :class:`Override` objects that swap untraceable submodules while tracing.
 
     Raises:
-        TraceError, PlanError, UnsupportedOpError, PlacementError: all subclasses of ``SpmdError``.
+        TraceError, PlanError, UnsupportedOpError, PlacementError, BatchError (uneven or empty local
+        batches, on every rank at once): all subclasses of ``SpmdError``.
     """
 
     def wrap(fn: Callable[..., Any]) -> CompiledStep:
