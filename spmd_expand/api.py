@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
 from .annotate import output_placements, regather_for_backward
+from .batch_norm import traceable_batch_norms
 from .errors import SpmdError, TraceError
 from .expand import RedistributeCache, expand
 from .lower import LOWERINGS, lower
@@ -200,7 +201,7 @@ class CompiledStep:
     def _compile(self, args, kwargs, model, optimizer, roles, specs, placements, locals_) -> StepArtifacts:
         seconds: dict[str, float] = {}
         clock = time.perf_counter()
-        with _overrides(model, self.module_override):
+        with _overrides(model, self.module_override), traceable_batch_norms(model):
             traced = trace_step(
                 self.fn, args, kwargs, model, optimizer, roles, specs, self._resolved.module_layouts()
             )
