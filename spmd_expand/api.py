@@ -156,7 +156,13 @@ class CompiledStep:
                 for key, v in list(st.items()):
                     if isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
                         st[key] = distribute_tensor(v, self.mesh, plan.state_placements(fqn_of[id(p)], p, v))
-        # Buffers stay plain tensors: replicated, every rank holds the full value.
+        if new:
+            # Buffers stay plain tensors, replicated: every rank must hold rank 0's values (a rank that
+            # differs would silently compute another model), so they are broadcast along with the
+            # parameters, as DDP does at construction.
+            for b in model.buffers():
+                if not isinstance(b, DTensor):
+                    b.copy_(distribute_tensor(b, self.mesh, replicate(self.mesh)).to_local())
         _rebind_parameters(model, optimizer, new)
 
     # ------------------------------------------------------------------ inputs
