@@ -1,6 +1,6 @@
 """BatchNorm cases for ``test_batch_norm.py``: a ResNet-18-shaped CNN, a small CNN with the other
-BatchNorm settings, and the worker that runs them on W ranks next to the single-device step over the
-global batch (the reference), inside each rank.
+BatchNorm settings and a GroupNorm, and the worker that runs them on W ranks next to the
+single-device step over the global batch (the reference), inside each rank.
 
 Optimizer states are created up front, with the values the first ``optimizer.step()`` would create
 (zeros, ``step = 0``), in both the compiled and the reference optimizer: the step then compiles once
@@ -73,18 +73,21 @@ class ResNet18(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
-class BatchNormVariants(nn.Module):
-    """The other BatchNorm settings in one small CNN.
+class NormalizationVariants(nn.Module):
+    """The other BatchNorm settings in one small CNN, and a GroupNorm.
 
-    ``bn``: default BatchNorm2d; ``bn_stateless``: no affine and no running statistics (batch
-    statistics in train and eval); ``bn_frozen``: a BatchNorm2d kept in eval mode while the model trains
-    (running statistics used, not updated; gradients still flow); ``bn_features``: BatchNorm1d on
-    ``(N, C)`` features with momentum 0.3.
+    ``gn``: GroupNorm on the batch-sharded activation (its kernels take N, C, HxW as ints, which must
+    be each rank's own); ``bn``: default BatchNorm2d; ``bn_stateless``: no affine and no running
+    statistics (batch statistics in train and eval); ``bn_frozen``: a BatchNorm2d kept in eval mode
+    while the model trains (running statistics used, not updated; gradients still flow);
+    ``bn_features``: BatchNorm1d on ``(N, C)`` features with momentum 0.3.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv0 = nn.Conv2d(3, 8, 3, padding=1)
+        self.gn = nn.GroupNorm(2, 8)
+        self.conv1 = nn.Conv2d(8, 8, 3, padding=1)
         self.bn = nn.BatchNorm2d(8)
         self.conv2 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
         self.bn_stateless = nn.BatchNorm2d(8, affine=False, track_running_stats=False)
@@ -96,13 +99,14 @@ class BatchNormVariants(nn.Module):
             self.bn_frozen.running_var.uniform_(0.5, 1.5)
         self.train()
 
-    def train(self, mode: bool = True) -> "BatchNormVariants":
+    def train(self, mode: bool = True) -> "NormalizationVariants":
         super().train(mode)
         self.bn_frozen.eval()
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.relu(self.bn(self.conv1(x)))
+        h = F.relu(self.gn(self.conv0(x)))
+        h = F.relu(self.bn(self.conv1(h)))
         h = F.relu(self.bn_frozen(self.bn_stateless(self.conv2(h))))
         return self.fc(F.relu(self.bn_features(h.mean((2, 3)))))
 
@@ -167,9 +171,9 @@ CONFIGS: dict[str, Config] = {
     # lr 0.1 at batch 8 is chaotic: float32 rounding alone moves the single-device run past the
     # tolerance within 8 steps, so exactness of the statistics is checked in float64.
     "resnet_ddp_float64": Config(ResNet18, spmd.DDP, _sgd, lr=0.1, steps=8, dtype=torch.float64, float32_reference=True),
-    "variants_ddp": Config(BatchNormVariants, spmd.DDP, _sgd, lr=0.05, steps=3, evaluate=True, other_buffers_off_rank0=True),
+    "variants_ddp": Config(NormalizationVariants, spmd.DDP, _sgd, lr=0.05, steps=3, evaluate=True, other_buffers_off_rank0=True),
     "sync_batch_norm_ddp": Config(
-        BatchNormVariants, spmd.DDP, _sgd, lr=0.05, steps=3, convert=nn.SyncBatchNorm.convert_sync_batchnorm
+        NormalizationVariants, spmd.DDP, _sgd, lr=0.05, steps=3, convert=nn.SyncBatchNorm.convert_sync_batchnorm
     ),
 }
 

@@ -96,8 +96,9 @@ def test_resnet18_float64_statistics_are_exact(results):
     assert drift > ATOL, f"float32 run within {drift:.1e} of float64: the case no longer shows the rounding drift"
 
 
-def test_batch_norm_variants_ddp(results):
-    """No affine / no running statistics, a BatchNorm frozen in eval mode while training, BatchNorm1d."""
+def test_normalization_variants_ddp(results):
+    """No affine / no running statistics, a BatchNorm frozen in eval mode while training, BatchNorm1d,
+    GroupNorm on a batch-sharded input; rank 1 starts from other buffers (rank 0's are broadcast)."""
     per_rank = _ranks(results, "variants_ddp")
     check_training(per_rank)
     check_eval(per_rank)
@@ -116,7 +117,7 @@ def test_sync_batch_norm_is_traced_as_batch_norm(results):
 
 def test_cumulative_moving_average_raises(fake_mesh):
     torch.manual_seed(0)
-    model = batch_norm_cases.BatchNormVariants()
+    model = batch_norm_cases.NormalizationVariants()
     model.bn_features.momentum = None
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(batch_norm_cases.train_step)
