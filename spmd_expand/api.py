@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
 from .annotate import output_placements, regather_for_backward
+from .batch_norm import traceable_batch_norms
 from .errors import SpmdError, TraceError
 from .expand import RedistributeCache, expand
 from .guards import ObjectIds, cache_key, check_batch, initialize_optimizer_state
@@ -163,7 +164,13 @@ class CompiledStep:
                 for key, v in list(st.items()):
                     if isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
                         st[key] = distribute_tensor(v, self.mesh, plan.state_placements(fqn_of[id(p)], p, v))
-        # Buffers stay plain tensors: replicated, every rank holds the full value.
+        if new:
+            # Buffers stay plain tensors, replicated: every rank must hold rank 0's values (a rank that
+            # differs would silently compute another model), so they are broadcast along with the
+            # parameters, as DDP does at construction.
+            for b in model.buffers():
+                if not isinstance(b, DTensor):
+                    b.copy_(distribute_tensor(b, self.mesh, replicate(self.mesh)).to_local())
         _rebind_parameters(model, optimizer, new)
 
     # ------------------------------------------------------------------ inputs
@@ -208,7 +215,7 @@ class CompiledStep:
     def _compile(self, args, kwargs, model, optimizer, roles, specs, placements, locals_) -> StepArtifacts:
         seconds: dict[str, float] = {}
         clock = time.perf_counter()
-        with _overrides(model, self.module_override):
+        with _overrides(model, self.module_override), traceable_batch_norms(model):
             traced = trace_step(
                 self.fn, args, kwargs, model, optimizer, roles, specs, self._resolved.module_layouts()
             )

@@ -14,6 +14,7 @@ global size on every rank and sliced to this rank's part (see :mod:`spmd_expand.
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, Callable, Optional
 
@@ -32,7 +33,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from . import rng
 from .dsymint import DSymInt, local_strides
 from .ops import GRADIENT, LAYOUT, UNSHARD
-from .rules import SIZE_ARG
+from .rules import NCHW_SCALAR_ARGS, SIZE_ARG
 from .spec import NodeSharding, local_offset, local_shape, shards_dim
 
 __all__ = ["expand", "RedistributeCache"]
@@ -298,6 +299,12 @@ class _Expander:
             dim = args[2] if len(args) > 2 else 0
             sizes = [local_shape(piece)[dim] for piece in out]
             args[1] = sizes[0] if target is aten.split.Tensor else sizes
+            return target, args
+        if target in NCHW_SCALAR_ARGS:
+            # GroupNorm: N (and C, HxW) of the input as this rank holds it.
+            tensor_index, n_index = NCHW_SCALAR_ARGS[target]
+            shape = local_shape(sharding.inputs[tensor_index])
+            args[n_index : n_index + 3] = [shape[0], shape[1], math.prod(shape[2:])]
             return target, args
         if not isinstance(out, DTensorSpec) or not any(shards_dim(p) for p in out.placements):
             return target, args

@@ -52,7 +52,7 @@ from .errors import UnsupportedOpError, node_error
 from .ops import GRADIENT, LAYOUT, UNSHARD
 from .spec import AS_PRODUCED, NodeSharding, replicate, spec_with_meta, tensor_spec
 
-__all__ = ["lookup", "SIZE_ARG"]
+__all__ = ["lookup", "SIZE_ARG", "NCHW_SCALAR_ARGS"]
 
 aten = torch.ops.aten
 
@@ -72,6 +72,14 @@ SIZE_ARG: dict[Any, int] = {
     aten.empty.memory_format: 0,
     aten.full.default: 0,
     aten.empty_strided.default: 0,
+}
+
+# Ops that take N, C and HxW of an input tensor as ints: op -> (position of that input, position of
+# N; C and HxW follow). Expand passes this rank's local values (DTensor does the same in eager, for
+# the forward, through ``op_to_scalar_shape_adjuster``); global ones fail the kernel's size check.
+NCHW_SCALAR_ARGS: dict[Any, tuple[int, int]] = {
+    aten.native_group_norm.default: (0, 3),
+    aten.native_group_norm_backward.default: (1, 5),
 }
 
 FACTORY_OPS = frozenset(
