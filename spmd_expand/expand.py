@@ -163,32 +163,54 @@ class _Expander:
             mask = self.mask_of.get(node) if _masks(src) else None
             mask_shape = list(mask.meta["val"].shape) if mask is not None else None
             sub = self.cache.get(src, dst, mask_shape)
-            env: dict[fx.Node, Any] = {}
-            inputs = iter([local, mask])
-            result = None
-            for n in sub.graph.nodes:
-                if n.op == "placeholder":
-                    env[n] = next(inputs)
-                elif n.op == "get_attr":
-                    name = f"_redistribute_constant_{len(self.attrs)}"
-                    self.attrs[name] = getattr(sub, n.target)
-                    env[n] = self.graph.get_attr(name)
-                elif n.op == "output":
-                    out = n.args[0]
-                    result = env[out] if isinstance(out, fx.Node) else tuple(env[o] for o in out)
-                else:
-                    new = self.graph.node_copy(n, lambda x: env[x])
-                    new.meta["spmd_redistribute"] = (src.placements, dst.placements)
-                    new.meta["stack_trace"] = node.meta.get("stack_trace")
-                    if consumer is not None and "custom" in consumer.meta:
-                        new.meta["custom"] = consumer.meta["custom"]
-                    env[n] = new
-            self.redistributed[key] = result
+            meta = {"spmd_redistribute": (src.placements, dst.placements), "stack_trace": node.meta.get("stack_trace")}
+            if consumer is not None and "custom" in consumer.meta:
+                meta["custom"] = consumer.meta["custom"]
+            self.redistributed[key] = self._inline(sub, [local, mask], meta)
         result = self.redistributed[key]
         if isinstance(result, tuple):  # partitioned to a _MaskPartial: (value, mask)
             result, mask = result
             if consumer is not None:
                 self.mask_of[consumer] = mask
+        return result
+
+    def _inline(self, sub: fx.GraphModule, inputs: list, meta: dict) -> Any:
+        """Copy ``sub``'s nodes into the local graph over ``inputs``; returns what ``sub`` returns
+        (a node, or a tuple of them). Every copied node gets ``meta``."""
+        env: dict[fx.Node, Any] = {}
+        values = iter(inputs)
+        result = None
+        for n in sub.graph.nodes:
+            if n.op == "placeholder":
+                env[n] = next(values)
+            elif n.op == "get_attr":
+                name = f"_redistribute_constant_{len(self.attrs)}"
+                self.attrs[name] = getattr(sub, n.target)
+                env[n] = self.graph.get_attr(name)
+            elif n.op == "output":
+                out = n.args[0]
+                result = env[out] if isinstance(out, fx.Node) else tuple(env[o] for o in out)
+            else:
+                new = self.graph.node_copy(n, lambda x: env[x])
+                new.meta.update(meta)
+                env[n] = new
+        return result
+
+    def local_op(self, node: fx.Node, sharding: NodeSharding, inputs: list) -> Any:
+        """The local graph of ``sharding.local_op`` over ``inputs`` (local values of the node's tensor
+        arguments, with the placements ``sharding.inputs`` names), traced on fake local shards."""
+        specs = [s for s in sharding.inputs if s is not None]
+        shapes = [local_shape(s) for s in specs]  # outside fake mode, as in RedistributeCache.get
+        with FakeTensorMode():
+            examples = [torch.empty(shape, dtype=s.tensor_meta.dtype) for shape, s in zip(shapes, specs)]
+        traced = make_fx(sharding.local_op, tracing_mode="fake")(*examples)
+        # Handlers write into fresh buffers (index_put_); functionalized, the local graph stays functional.
+        sub = make_fx(torch.func.functionalize(traced, remove="mutations"), tracing_mode="fake")(*examples)
+        meta = {"stack_trace": node.meta.get("stack_trace"), **({"custom": node.meta["custom"]} if "custom" in node.meta else {})}
+        result = self._inline(sub, inputs, meta)
+        if isinstance(result, tuple):
+            # A multi-output op: later getitem nodes index the local results.
+            return list(result)
         return result
 
     def run(self) -> fx.GraphModule:
@@ -218,6 +240,9 @@ class _Expander:
         sharding = self.spmd(node)
         if isinstance(sharding.output, DSymInt):
             self.local[node] = sharding.output  # resolved per consumer below
+            return
+        if node.target is operator.getitem and isinstance(self.local[node.args[0]], list):
+            self.local[node] = self.local[node.args[0]][node.args[1]]  # an output of an inlined local_op
             return
         if node.target is operator.getitem:
             new = self.graph.call_function(operator.getitem, (self.local[node.args[0]], node.args[1]))
@@ -251,6 +276,10 @@ class _Expander:
                 )
             else:
                 new_leaves.append(leaf)
+        if sharding.local_op is not None:
+            tensors = [v for v, spec in zip(new_leaves, wanted) if spec is not None]
+            self.local[node] = self.local_op(node, sharding, tensors)
+            return
         args, kwargs = pytree.tree_unflatten(new_leaves, tree)
         target, args = self.local_size_args(node, list(args), sharding)
         new = self.graph.call_function(target, tuple(args), kwargs)
