@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 from . import ops
 from .boundaries import mark_boundaries
 from .errors import TraceError
+from .loss_parallel import MarkLossParallel
 
 __all__ = ["InputRole", "OutputRole", "TracedStep", "TensorSpec", "trace_step"]
 
@@ -313,7 +314,7 @@ def trace_step(
     try:
         with torch.compiler._compile_session_context(), torch.enable_grad():
             # _compile_session_context: optimizers take their traceable paths (tensor `step`, no .item()).
-            with fx_traceback.preserve_node_meta(), _MarkBackward():
+            with fx_traceback.preserve_node_meta(), _MarkBackward(), MarkLossParallel():
                 autograd_graph = make_fx(step, tracing_mode="symbolic", record_stack_traces=True)(*fakes)
             detached = [t.detach() for t in fakes]
 
