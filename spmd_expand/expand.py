@@ -50,24 +50,35 @@ def _fresh_masks(spec: DTensorSpec) -> DTensorSpec:
 
 
 def _strided_to_replicate(src: DTensorSpec, dst: DTensorSpec) -> Optional[Callable]:
-    """A traceable ``_StridedShard(d, sf) -> Replicate()`` on one mesh dim, for even sizes; else None.
+    """A traceable redistribution out of ``_StridedShard(d, sf)`` on one mesh dim into ``Replicate()``
+    there, for even sizes; else None.
 
     DTensor's own path computes shard offsets with ``.tolist()``, which cannot be traced on fake
-    tensors in torch 2.13. With even sizes the layout is simple: dim d, viewed as [sf, W, c], holds
-    [:, rank, :] on each rank, so an all-gather of the sf pieces and an interleave restore it.
+    tensors in torch 2.13. With even sizes the layout is simple: dim d of the local tensor *before*
+    this mesh dim (after any outer ``Shard(d)``, e.g. a batch split over "dp" flattened with a
+    sequence split over "tp"), viewed as [sf, W, c], holds [:, rank, :] on each rank, so an all-gather
+    of the sf pieces and an interleave restore it. Whatever else changes (e.g. the outer ``Shard(d)``
+    gathered too) is DTensor's ordinary redistribution afterwards.
     """
-    changed = [m for m, (a, b) in enumerate(zip(src.placements, dst.placements)) if a != b]
-    if len(changed) != 1:
+    strided_dims = [m for m, p in enumerate(src.placements) if isinstance(p, _StridedShard)]
+    if len(strided_dims) != 1:
         return None
-    m = changed[0]
-    strided, target = src.placements[m], dst.placements[m]
-    if not isinstance(strided, _StridedShard) or not isinstance(target, Replicate):
-        return None
-    if any(isinstance(p, (Shard, _StridedShard)) and p.dim == strided.dim for i, p in enumerate(src.placements) if i != m):
+    m = strided_dims[0]
+    strided = src.placements[m]
+    if not isinstance(dst.placements[m], Replicate):
         return None
     size, dim, pieces = src.mesh.size(m), strided.dim, strided.split_factor
-    if src.tensor_meta.shape[dim] % (pieces * size):
+    outer = [i for i, p in enumerate(src.placements) if i != m and isinstance(p, Shard) and p.dim == dim]
+    if any(i > m for i in outer):
         return None
+    local = src.tensor_meta.shape[dim]
+    for i in outer:
+        if local % src.mesh.size(i):
+            return None
+        local //= src.mesh.size(i)
+    if local % (pieces * size):
+        return None
+    middle = DTensorSpec(src.mesh, tuple(Replicate() if i == m else p for i, p in enumerate(src.placements)), tensor_meta=src.tensor_meta)
 
     def fn(t: torch.Tensor) -> torch.Tensor:
         x = t.movedim(dim, 0)
@@ -75,7 +86,10 @@ def _strided_to_replicate(src: DTensorSpec, dst: DTensorSpec) -> Optional[Callab
         chunk = x.shape[0] // pieces
         gathered = funcol.all_gather_tensor(x.contiguous(), gather_dim=0, group=(src.mesh, m))
         full = gathered.reshape(size, pieces, chunk, *rest).transpose(0, 1).reshape(size * pieces * chunk, *rest)
-        return full.movedim(0, dim)
+        full = full.movedim(0, dim)
+        if middle.placements != dst.placements:
+            full = redistribute_local_tensor(full, middle, dst)
+        return full
 
     return fn
 
