@@ -25,8 +25,8 @@ In eager DTensor the context swaps in custom op handlers; here it works in three
    shards (:attr:`spmd_expand.spec.NodeSharding.local_op`).
 
 Anything else (untagged nodes, logits not sharded on the class dim, a log-softmax whose output also
-feeds something other than the NLL) keeps DTensor's ordinary rules: the same values, with the
-logits gathered. Unlike eager ``loss_parallel``, ``reduction="mean"`` also works on N-D meshes: the
+feeds something other than the NLL, the backward of a loss with class weights) keeps DTensor's
+ordinary rules: the same values, with the logits gathered. Unlike eager ``loss_parallel``, ``reduction="mean"`` also works on N-D meshes: the
 traced step computes it as a sum over a summed target count (see ``trace._nll_loss_mean_as_sum``).
 """
 
@@ -215,6 +215,10 @@ def nll_loss_backward_rule(node: fx.Node, prop) -> Optional[NodeSharding]:
     the log-softmax backward as torch does, when ``x`` is a loss-parallel log-softmax whose gradient
     goes nowhere else."""
     grad, x, target, weight, reduction, _, total_weight = node.args[:7]
+    if isinstance(weight, fx.Node):
+        # torch 2.13's fused handler gathers the class weights with the raw targets, ignored ones
+        # (-100) included, and fails at run time; DTensor's rules compute the same gradient.
+        return None
     source = _through_detach(x)
     if not _is_loss_parallel(source, aten._log_softmax.default):
         return None
@@ -232,10 +236,9 @@ def nll_loss_backward_rule(node: fx.Node, prop) -> Optional[NodeSharding]:
     target_spec = spec_with_meta(prop.mesh, _target_placements(spec, channel_dim), prop.output_of(target).tensor_meta)
     grad_placements = target_spec.placements if reduction == 0 else replicated
     grad_spec = spec_with_meta(prop.mesh, grad_placements, prop.output_of(grad).tensor_meta)
-    weight_spec = spec_with_meta(prop.mesh, replicated, prop.output_of(weight).tensor_meta) if isinstance(weight, fx.Node) else None
     # The handler divides by total_weight as a plain tensor: it must hold the global count.
     total_spec = spec_with_meta(prop.mesh, replicated, prop.output_of(total_weight).tensor_meta)
-    specs = [grad_spec, spec, target_spec] + ([weight_spec] if weight_spec is not None else []) + [total_spec]
+    specs = [grad_spec, spec, target_spec, total_spec]
     out = spec_with_meta(prop.mesh, spec.placements, tensor_meta(node.meta["val"]))
     local = _local_handler(node.target, tuple(node.args), specs, frozenset({len(specs) - 1}))
     return NodeSharding(inputs=_per_leaf(node, specs), output=out, local_op=local)

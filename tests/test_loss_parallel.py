@@ -87,6 +87,15 @@ def test_second_reader_of_log_probs_keeps_the_unfused_backward(fake_mesh):
     assert aten.nll_loss_backward.default not in placed and aten._log_softmax_backward_data.default not in placed
 
 
+def test_class_weights_keep_the_unfused_backward(fake_mesh):
+    """torch's fused backward indexes class weights with ignored targets; with weights only the
+    forward is vocab-parallel."""
+    compiled = compile_tiny_lm(fake_mesh, tp_cases.loss_parallel_weighted_step)
+    graph = compiled.last.traced.graph_module.graph
+    placed = {n.target for n in graph.nodes if getattr(n.meta.get("spmd"), "local_op", None) is not None}
+    assert placed == {aten._log_softmax.default, aten.nll_loss_forward.default}
+
+
 def test_context_outside_tracing_changes_nothing():
     """On plain tensors (the single-device reference) loss_parallel() is a no-op."""
     logits, target = torch.randn(6, 5), torch.randint(0, 5, (6,))

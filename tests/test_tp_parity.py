@@ -20,11 +20,12 @@ TP_W2 = [
     "prepare_input_output",
     "loss_parallel",
     "loss_parallel_sum",
+    "loss_parallel_weighted",
     "loss_parallel_smoothing",
     "llama",
     "llama_loss_parallel",
 ]
-FSDP_TP_2X2 = ["llama", "loss_parallel"]
+FSDP_TP_2X2 = ["llama", "loss_parallel", "prepare_input"]
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +84,8 @@ def test_tp_world2(results, name):
             assert not reads_logits_sharded(r)
     elif name in ("loss_parallel", "loss_parallel_sum"):
         assert tp_gathers(r) == [] and reads_logits_sharded(r)
+    elif name in ("loss_parallel_weighted", "loss_parallel_smoothing"):
+        assert reads_logits_sharded(r)  # forward vocab-parallel; backward by DTensor's rules
 
 
 @pytest.mark.parametrize("name", FSDP_TP_2X2)
@@ -91,7 +94,7 @@ def test_fsdp_tp_2x2(results, name):
     if name == "llama":
         assert r["placements"]["model.layers.0.self_attn.q_proj.weight"] == (Shard(0), Shard(0))
         assert r["placements"]["model.layers.0.self_attn.o_proj.weight"] == (Shard(0), Shard(1))
-    else:
+    elif name == "loss_parallel":
         # Rows split over "dp", the vocabulary over "tp"; the logits are not moved.
         assert reads_logits_sharded(r)
         assert all(have[0] == Shard(0) for have, _ in r["log_softmax_inputs"])

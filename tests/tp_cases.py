@@ -115,6 +115,19 @@ def loss_parallel_sum_step(model, optimizer, idx, targets):
     return loss
 
 
+def loss_parallel_weighted_step(model, optimizer, idx, targets):
+    """Class weights and ``reduction="none"``: one loss per target, reduced by the step."""
+    logits = model(idx)
+    weight = 0.5 + torch.arange(VOCAB) / VOCAB
+    with loss_parallel():
+        losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), weight=weight, reduction="none")
+        loss = losses.mean()
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
 def loss_parallel_smoothing_step(model, optimizer, idx, targets):
     """Label smoothing reads the log-probabilities twice: the fused NLL backward does not apply."""
     logits = model(idx)
@@ -243,6 +256,7 @@ TP_CASES: dict[str, TPCase] = {
     "prepare_input_output": TPCase(build_tiny_lm, lambda m: spmd.TensorParallel(PREPARE_INPUT_OUTPUT), lm_step, tokens, "sgd"),
     "loss_parallel": TPCase(build_tiny_lm, lambda m: spmd.TensorParallel(VOCAB_PARALLEL), loss_parallel_step, tokens_with_ignored),
     "loss_parallel_sum": TPCase(build_tiny_lm, lambda m: spmd.TensorParallel(VOCAB_PARALLEL), loss_parallel_sum_step, tokens_with_ignored, "sgd"),
+    "loss_parallel_weighted": TPCase(build_tiny_lm, lambda m: spmd.TensorParallel(VOCAB_PARALLEL), loss_parallel_weighted_step, tokens_with_ignored, "sgd"),
     "loss_parallel_smoothing": TPCase(build_tiny_lm, lambda m: spmd.TensorParallel(VOCAB_PARALLEL), loss_parallel_smoothing_step, tokens, "sgd"),
     "llama": TPCase(build_llama, spmd.TensorParallel.from_huggingface, llama_step, llama_tokens),
     "llama_loss_parallel": TPCase(
