@@ -53,24 +53,35 @@ def _fresh_masks(spec: DTensorSpec) -> DTensorSpec:
 
 
 def _strided_to_replicate(src: DTensorSpec, dst: DTensorSpec) -> Optional[Callable]:
-    """A traceable ``_StridedShard(d, sf) -> Replicate()`` on one mesh dim, for even sizes; else None.
+    """A traceable redistribution out of ``_StridedShard(d, sf)`` on one mesh dim into ``Replicate()``
+    there, for even sizes; else None.
 
     DTensor's own path computes shard offsets with ``.tolist()``, which cannot be traced on fake
-    tensors in torch 2.13. With even sizes the layout is simple: dim d, viewed as [sf, W, c], holds
-    [:, rank, :] on each rank, so an all-gather of the sf pieces and an interleave restore it.
+    tensors in torch 2.13. With even sizes the layout is simple: dim d of the local tensor *before*
+    this mesh dim (after any outer ``Shard(d)``, e.g. a batch split over "dp" flattened with a
+    sequence split over "tp"), viewed as [sf, W, c], holds [:, rank, :] on each rank, so an all-gather
+    of the sf pieces and an interleave restore it. Whatever else changes (e.g. the outer ``Shard(d)``
+    gathered too) is DTensor's ordinary redistribution afterwards.
     """
-    changed = [m for m, (a, b) in enumerate(zip(src.placements, dst.placements)) if a != b]
-    if len(changed) != 1:
+    strided_dims = [m for m, p in enumerate(src.placements) if isinstance(p, _StridedShard)]
+    if len(strided_dims) != 1:
         return None
-    m = changed[0]
-    strided, target = src.placements[m], dst.placements[m]
-    if not isinstance(strided, _StridedShard) or not isinstance(target, Replicate):
-        return None
-    if any(isinstance(p, (Shard, _StridedShard)) and p.dim == strided.dim for i, p in enumerate(src.placements) if i != m):
+    m = strided_dims[0]
+    strided = src.placements[m]
+    if not isinstance(dst.placements[m], Replicate):
         return None
     size, dim, pieces = src.mesh.size(m), strided.dim, strided.split_factor
-    if src.tensor_meta.shape[dim] % (pieces * size):
+    outer = [i for i, p in enumerate(src.placements) if i != m and isinstance(p, Shard) and p.dim == dim]
+    if any(i > m for i in outer):
         return None
+    local = src.tensor_meta.shape[dim]
+    for i in outer:
+        if local % src.mesh.size(i):
+            return None
+        local //= src.mesh.size(i)
+    if local % (pieces * size):
+        return None
+    middle = DTensorSpec(src.mesh, tuple(Replicate() if i == m else p for i, p in enumerate(src.placements)), tensor_meta=src.tensor_meta)
 
     def fn(t: torch.Tensor) -> torch.Tensor:
         x = t.movedim(dim, 0)
@@ -78,7 +89,10 @@ def _strided_to_replicate(src: DTensorSpec, dst: DTensorSpec) -> Optional[Callab
         chunk = x.shape[0] // pieces
         gathered = funcol.all_gather_tensor(x.contiguous(), gather_dim=0, group=(src.mesh, m))
         full = gathered.reshape(size, pieces, chunk, *rest).transpose(0, 1).reshape(size * pieces * chunk, *rest)
-        return full.movedim(0, dim)
+        full = full.movedim(0, dim)
+        if middle.placements != dst.placements:
+            full = redistribute_local_tensor(full, middle, dst)
+        return full
 
     return fn
 
@@ -166,32 +180,54 @@ class _Expander:
             mask = self.mask_of.get(node) if _masks(src) else None
             mask_shape = list(mask.meta["val"].shape) if mask is not None else None
             sub = self.cache.get(src, dst, mask_shape)
-            env: dict[fx.Node, Any] = {}
-            inputs = iter([local, mask])
-            result = None
-            for n in sub.graph.nodes:
-                if n.op == "placeholder":
-                    env[n] = next(inputs)
-                elif n.op == "get_attr":
-                    name = f"_redistribute_constant_{len(self.attrs)}"
-                    self.attrs[name] = getattr(sub, n.target)
-                    env[n] = self.graph.get_attr(name)
-                elif n.op == "output":
-                    out = n.args[0]
-                    result = env[out] if isinstance(out, fx.Node) else tuple(env[o] for o in out)
-                else:
-                    new = self.graph.node_copy(n, lambda x: env[x])
-                    new.meta["spmd_redistribute"] = (src.placements, dst.placements)
-                    new.meta["stack_trace"] = node.meta.get("stack_trace")
-                    if consumer is not None and "custom" in consumer.meta:
-                        new.meta["custom"] = consumer.meta["custom"]
-                    env[n] = new
-            self.redistributed[key] = result
+            meta = {"spmd_redistribute": (src.placements, dst.placements), "stack_trace": node.meta.get("stack_trace")}
+            if consumer is not None and "custom" in consumer.meta:
+                meta["custom"] = consumer.meta["custom"]
+            self.redistributed[key] = self._inline(sub, [local, mask], meta)
         result = self.redistributed[key]
         if isinstance(result, tuple):  # partitioned to a _MaskPartial: (value, mask)
             result, mask = result
             if consumer is not None:
                 self.mask_of[consumer] = mask
+        return result
+
+    def _inline(self, sub: fx.GraphModule, inputs: list, meta: dict) -> Any:
+        """Copy ``sub``'s nodes into the local graph over ``inputs``; returns what ``sub`` returns
+        (a node, or a tuple of them). Every copied node gets ``meta``."""
+        env: dict[fx.Node, Any] = {}
+        values = iter(inputs)
+        result = None
+        for n in sub.graph.nodes:
+            if n.op == "placeholder":
+                env[n] = next(values)
+            elif n.op == "get_attr":
+                name = f"_redistribute_constant_{len(self.attrs)}"
+                self.attrs[name] = getattr(sub, n.target)
+                env[n] = self.graph.get_attr(name)
+            elif n.op == "output":
+                out = n.args[0]
+                result = env[out] if isinstance(out, fx.Node) else tuple(env[o] for o in out)
+            else:
+                new = self.graph.node_copy(n, lambda x: env[x])
+                new.meta.update(meta)
+                env[n] = new
+        return result
+
+    def local_op(self, node: fx.Node, sharding: NodeSharding, inputs: list) -> Any:
+        """The local graph of ``sharding.local_op`` over ``inputs`` (local values of the node's tensor
+        arguments, with the placements ``sharding.inputs`` names), traced on fake local shards."""
+        specs = [s for s in sharding.inputs if s is not None]
+        shapes = [local_shape(s) for s in specs]  # outside fake mode, as in RedistributeCache.get
+        with FakeTensorMode():
+            examples = [torch.empty(shape, dtype=s.tensor_meta.dtype) for shape, s in zip(shapes, specs)]
+        traced = make_fx(sharding.local_op, tracing_mode="fake")(*examples)
+        # Handlers write into fresh buffers (index_put_); functionalized, the local graph stays functional.
+        sub = make_fx(torch.func.functionalize(traced, remove="mutations"), tracing_mode="fake")(*examples)
+        meta = {"stack_trace": node.meta.get("stack_trace"), **({"custom": node.meta["custom"]} if "custom" in node.meta else {})}
+        result = self._inline(sub, inputs, meta)
+        if isinstance(result, tuple):
+            # A multi-output op: later getitem nodes index the local results.
+            return list(result)
         return result
 
     def run(self) -> fx.GraphModule:
@@ -222,8 +258,9 @@ class _Expander:
         if isinstance(sharding.output, DSymInt):
             self.local[node] = sharding.output  # resolved per consumer below
             return
-        if node.target is operator.getitem and isinstance(self.local[node.args[0]], tuple):
-            self.local[node] = self.local[node.args[0]][node.args[1]]  # outputs emitted one by one (random ops)
+        if node.target is operator.getitem and isinstance(self.local[node.args[0]], (tuple, list)):
+            # Outputs emitted one by one (random ops) or of an inlined local_op.
+            self.local[node] = self.local[node.args[0]][node.args[1]]
             return
         if node.target is operator.getitem:
             new = self.graph.call_function(operator.getitem, (self.local[node.args[0]], node.args[1]))
@@ -260,6 +297,10 @@ class _Expander:
                 )
             else:
                 new_leaves.append(leaf)
+        if sharding.local_op is not None:
+            tensors = [v for v, spec in zip(new_leaves, wanted) if spec is not None]
+            self.local[node] = self.local_op(node, sharding, tensors)
+            return
         args, kwargs = pytree.tree_unflatten(new_leaves, tree)
         target, args = self.local_size_args(node, list(args), sharding)
         new = self.graph.call_function(target, tuple(args), kwargs)

@@ -57,25 +57,32 @@ UNSHARD = torch.ops.spmd_expand.unshard.default
 
 
 @torch.library.custom_op("spmd_expand::layout", mutates_args=())
-def layout(tensor: torch.Tensor, mesh_dim: int, placement: str) -> torch.Tensor:
+def layout(tensor: torch.Tensor, mesh_dim: int, placement: str, grad_placement: str = "") -> torch.Tensor:
     """Identity on ``tensor``, asking for ``placement`` on mesh dim ``mesh_dim`` at this point.
 
     ``placement`` is ``"R"`` (replicate) or ``"S<dim>"`` (shard on tensor dim ``<dim>``, negative
     dims count from the end). Placed at the inputs and outputs of modules a tensor-parallel style
-    names (its ``desired_input_layouts`` / ``output_layouts``). Gradients flow through unchanged.
+    names (its ``desired_input_layouts`` / ``output_layouts``). The gradient passes through a
+    ``layout`` marker asking for ``grad_placement``, or unchanged when it is empty.
     """
     return tensor.clone()
 
 
 @layout.register_fake
-def _(tensor: torch.Tensor, mesh_dim: int, placement: str) -> torch.Tensor:
+def _(tensor: torch.Tensor, mesh_dim: int, placement: str, grad_placement: str = "") -> torch.Tensor:
     return torch.empty_like(tensor)
 
 
+def _layout_setup_context(ctx, inputs, output) -> None:
+    _, ctx.mesh_dim, _, ctx.grad_placement = inputs
+
+
 def _layout_backward(ctx, grad: torch.Tensor):
-    return grad, None, None
+    if ctx.grad_placement:
+        grad = layout(grad, ctx.mesh_dim, ctx.grad_placement)
+    return grad, None, None, None
 
 
-layout.register_autograd(_layout_backward)
+layout.register_autograd(_layout_backward, setup_context=_layout_setup_context)
 
 LAYOUT = torch.ops.spmd_expand.layout.default

@@ -17,9 +17,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
+from .boundaries import TP_STYLES, BoundaryLayouts, style_layouts
 from .errors import PlanError
 
-__all__ = ["ParallelStyle", "DDP", "FSDP", "TensorParallel", "Plan", "ResolvedPlan", "resolve_plan"]
+__all__ = ["ParallelStyle", "DDP", "FSDP", "TensorParallel", "Plan", "ResolvedPlan", "resolve_plan", "fqn_matches"]
 
 
 class ParallelStyle:
@@ -140,65 +141,106 @@ class FSDP(_DataParallel):
         return Replicate()
 
 
+def fqn_matches(pattern: str, fqn: str) -> bool:
+    """Whether module FQN ``fqn`` matches plan key ``pattern``, as ``parallelize_module`` matches.
+
+    Both split on ``"."`` and match atom by atom with :func:`fnmatch.fnmatchcase`, so ``*`` stands for
+    one name (``"layers.*.attn"`` matches ``layers.0.attn``, not ``layers.0.block.attn``).
+    """
+    atoms, names = pattern.split("."), fqn.split(".") if fqn else []
+    return len(atoms) == len(names) and all(fnmatch.fnmatchcase(n, a) for a, n in zip(atoms, names))
+
+
 class TensorParallel(ParallelStyle):
     """Tensor parallel (Megatron-LM, Shoeybi et al. 2019), with torch's own TP styles.
 
-    ``plan`` maps globs over the FQNs of parameter-owning modules (``"layers.*.attn.q_proj"``, matched
-    with :func:`fnmatch.fnmatchcase`) to ``torch.distributed.tensor.parallel`` styles. Parameter
+    ``plan`` maps module FQN globs (``"layers.*.attn.q_proj"``, matched as ``parallelize_module``
+    does, see :func:`fqn_matches`) to ``torch.distributed.tensor.parallel`` styles. Parameter
     placements on this mesh dim follow those styles (as ``parallelize_module`` places them):
 
-    =====================  =========================  ===========================
-    style                  ``nn.Linear``              ``nn.Embedding``
-    =====================  =========================  ===========================
-    ``ColwiseParallel``    weight, bias ``Shard(0)``  weight ``Shard(1)``
-    ``RowwiseParallel``    weight ``Shard(1)``,       weight ``Shard(0)``
-                           bias ``Replicate()``       (vocab-parallel embedding)
-    ``SequenceParallel``   ``Replicate()``            ``Replicate()``
-    =====================  =========================  ===========================
+    ==============================  =========================  ===========================
+    style                           ``nn.Linear``              ``nn.Embedding``
+    ==============================  =========================  ===========================
+    ``ColwiseParallel``             weight, bias ``Shard(0)``  weight ``Shard(1)``
+    ``RowwiseParallel``             weight ``Shard(1)``,       weight ``Shard(0)``
+                                    bias ``Replicate()``       (vocab-parallel embedding)
+    ``SequenceParallel``            ``Replicate()``            ``Replicate()``
+    ``PrepareModuleInput``,         (hold no parameters; any module, with or without parameters)
+    ``PrepareModuleOutput``,
+    ``PrepareModuleInputOutput``
+    ==============================  =========================  ===========================
 
     Parameters no glob names are ``Replicate()``. The batch is replicated over this dim (TP ranks
-    pass the same batch). Module inputs and outputs are brought to the style's layouts
-    (``desired_input_layouts`` / ``output_layouts``; ``SequenceParallel``: ``Shard(sequence_dim)``)
-    where the module is called; ``use_local_output`` has no meaning for a whole-step graph (the step
-    always sees global tensors) and is ignored.
+    pass the same batch). Module inputs and outputs are brought to the layouts the style asks for
+    where the module is called (see :mod:`spmd_expand.boundaries`); ``use_local_output`` has no
+    meaning for a whole-step graph (the step always sees global tensors) and is ignored.
+
+    Use :meth:`from_huggingface` to build the plan a HuggingFace ``transformers`` model declares.
 
     Raises:
-        PlanError: a glob matches no module, a style is not a Colwise/Rowwise/SequenceParallel, or a
-            tied parameter would get two different placements.
+        PlanError: a glob matches no module or a module matches two globs, a style is not one of
+            the above, ``ColwiseParallel`` / ``RowwiseParallel`` names a module that is not an
+            ``nn.Linear`` or ``nn.Embedding`` (torch refuses those too), a layout is not
+            ``Replicate()`` / ``Shard(dim)``, or a tied parameter would get two different placements.
     """
 
     def __init__(self, plan: Mapping[str, object]):
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
-
         for pattern, style in plan.items():
-            if not isinstance(style, (ColwiseParallel, RowwiseParallel, SequenceParallel)):
+            if not isinstance(style, TP_STYLES):
                 raise PlanError(
-                    f"TensorParallel entry {pattern!r}: {type(style).__name__} is not ColwiseParallel, "
-                    f"RowwiseParallel or SequenceParallel"
+                    f"TensorParallel entry {pattern!r}: {type(style).__name__} is not one of "
+                    f"{', '.join(s.__name__ for s in TP_STYLES)}"
                 )
         self.plan = dict(plan)
         self._param_placements: dict[str, Placement] = {}
         self._module_styles: dict[str, object] = {}
         self._modules: dict[str, nn.Module] = {}
 
+    @classmethod
+    def from_huggingface(cls, model: nn.Module, overrides: Optional[Mapping[str, object]] = None) -> "TensorParallel":
+        """The plan a HuggingFace ``transformers`` model declares for itself, as torch styles.
+
+        See :func:`spmd_expand.hf_plan.huggingface_tp_plan` for where the plan is read and how each
+        HF style string maps to a torch style. ``overrides`` (FQN glob -> HF string or torch style)
+        replace or add entries, e.g. ``{"lm_head": ColwiseParallel(output_layouts=Shard(-1))}`` for a
+        vocab-sharded head under ``loss_parallel()``.
+
+        Raises:
+            PlanError: the model declares no plan, or uses a style string with no torch equivalent.
+        """
+        from .hf_plan import huggingface_tp_plan
+
+        return cls(huggingface_tp_plan(model, overrides))
+
     def __repr__(self) -> str:
         entries = ", ".join(f"{k!r}: {type(v).__name__}" for k, v in self.plan.items())
         return f"TensorParallel({{{entries}}})"
 
-    def style_of(self, module_fqn: str) -> Optional[object]:
-        """The TP style whose glob matches ``module_fqn`` first, or None."""
-        for pattern, style in self.plan.items():
-            if fnmatch.fnmatchcase(module_fqn, pattern):
-                return style
-        return None
-
     def bind(self, model: nn.Module) -> None:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
         modules = dict(model.named_modules())
+        matched: dict[str, str] = {}
         for pattern in self.plan:
-            if not any(fnmatch.fnmatchcase(name, pattern) for name in modules):
+            names = [name for name in modules if fqn_matches(pattern, name)]
+            if not names:
                 raise PlanError(f"TensorParallel glob {pattern!r} matches no submodule of {type(model).__name__}")
-        self._module_styles = {name: s for name in modules if (s := self.style_of(name)) is not None}
+            for name in names:
+                if name in matched:
+                    raise PlanError(
+                        f"submodule {name!r} matches both {matched[name]!r} and {pattern!r}; give each module "
+                        f"one style (PrepareModuleInputOutput combines input and output layouts)"
+                    )
+                matched[name] = pattern
+        self._module_styles = {name: self.plan[pattern] for name, pattern in matched.items()}
         self._modules = {name: modules[name] for name in self._module_styles}
+        for name, style in self._module_styles.items():
+            if isinstance(style, (ColwiseParallel, RowwiseParallel)) and not isinstance(modules[name], (nn.Linear, nn.Embedding)):
+                raise PlanError(
+                    f"{type(style).__name__} on {name!r}: torch's style shards nn.Linear and nn.Embedding, not "
+                    f"{type(modules[name]).__name__}; name its Linear submodules, or use PrepareModuleInput/Output "
+                    f"for layouts only"
+                )
         placements: dict[int, tuple[Placement, str]] = {}
         canonical = {id(p): fqn for fqn, p in model.named_parameters()}
         for fqn, param in model.named_parameters(remove_duplicate=False):
@@ -211,6 +253,7 @@ class TensorParallel(ParallelStyle):
                     f"{fqn!r}; give both modules styles that place it the same way"
                 )
         self._param_placements = {canonical[pid]: pl for pid, (pl, _) in placements.items()}
+        self.module_layouts()  # refuses unsupported layouts now, not in the middle of tracing
 
     def param_placement(self, fqn: str, param: torch.Tensor) -> Placement:
         return self._param_placements.get(fqn, Replicate())
@@ -218,32 +261,10 @@ class TensorParallel(ParallelStyle):
     def batch_placement(self, tensor: torch.Tensor) -> Placement:
         return Replicate()
 
-    def module_layouts(self) -> dict[str, tuple[Optional[str], Optional[str]]]:
-        """Module FQN -> (input, output) placement on this mesh dim, in the ``layout`` marker's
-        encoding (``"R"``, ``"S<dim>"``), for the modules the plan names (after :meth:`bind`)."""
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-        layouts = {}
-        for fqn, style in self._module_styles.items():
-            if isinstance(style, ColwiseParallel):
-                layouts[fqn] = (_encode(style.desired_input_layouts[0]), _encode(style.output_layouts[0]))
-            elif isinstance(style, RowwiseParallel):
-                # Where the module is called the input is brought to what the local op needs, as
-                # RowwiseParallel's input hook does: split features for a Linear, indices whole for
-                # an Embedding.
-                wanted = "R" if isinstance(self._modules[fqn], nn.Embedding) else "S-1"
-                layouts[fqn] = (wanted, _encode(style.output_layouts[0]))
-            else:  # SequenceParallel
-                layouts[fqn] = (_encode(style.sequence_sharding[0]),) * 2
-        return layouts
-
-
-def _encode(placement: Placement) -> str:
-    if isinstance(placement, Replicate):
-        return "R"
-    if isinstance(placement, Shard):
-        return f"S{placement.dim}"
-    raise PlanError(f"tensor-parallel layouts must be Replicate() or Shard(dim), got {placement}")
+    def module_layouts(self) -> dict[str, BoundaryLayouts]:
+        """Module FQN -> the layouts its style asks for at its inputs and outputs on this mesh dim,
+        for the modules the plan names (after :meth:`bind`)."""
+        return {fqn: style_layouts(style, self._modules[fqn], fqn) for fqn, style in self._module_styles.items()}
 
 
 def _tp_placement(style: Optional[object], module: nn.Module, name: str) -> Placement:
@@ -286,13 +307,14 @@ class ResolvedPlan:
     def reshard_after_forward(self) -> bool:
         return any(s.reshard_after_forward for s in self.styles)
 
-    def module_layouts(self) -> dict[str, list[tuple[int, Optional[str], Optional[str]]]]:
-        """Module FQN -> [(mesh dim, input placement, output placement)] for tensor-parallel styles."""
+    def module_layouts(self) -> dict[str, list[tuple[int, BoundaryLayouts]]]:
+        """Module FQN -> [(mesh dim, :class:`~spmd_expand.boundaries.BoundaryLayouts`)] for
+        tensor-parallel styles."""
         layouts: dict[str, list] = {}
         for mesh_dim, style in enumerate(self.styles):
             if isinstance(style, TensorParallel):
-                for fqn, (inp, out) in style.module_layouts().items():
-                    layouts.setdefault(fqn, []).append((mesh_dim, inp, out))
+                for fqn, boundary in style.module_layouts().items():
+                    layouts.setdefault(fqn, []).append((mesh_dim, boundary))
         return layouts
 
     def grad_placements(self, fqn: str, param: torch.Tensor) -> tuple[Placement, ...] | None:

@@ -23,6 +23,10 @@
   data-parallel and equals the single-device micro-batch exactly.
 * ``lift_fresh_copy``: constants built inside the step (``torch.tensor([...])`` in a forward, as
   HuggingFace models do) are replicated values; DTensor has no rule for the copy.
+* ``_log_softmax``, ``nll_loss_forward`` / ``nll_loss2d_forward`` and their backward ops, for a
+  cross-entropy computed inside torch's ``loss_parallel()`` on class-sharded logits: torch implements
+  these as DTensor op handlers, not strategies; :mod:`spmd_expand.loss_parallel` places them and
+  runs those handlers on the local shards. Any other use keeps DTensor's rules.
 * ``expand``, ``repeat`` and the ``new_*`` factories have DTensor rules, but those cannot know that a
   size came from a sharded batch dim; when one did, the output is sharded the same way instead of being
   materialized at global size and split afterwards.
@@ -47,6 +51,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from . import rng
+from . import loss_parallel
 from .dsymint import DSymInt
 from .errors import UnsupportedOpError, node_error
 from .ops import GRADIENT, LAYOUT, UNSHARD
@@ -396,6 +401,7 @@ _RULES: dict[Any, Callable] = {
 }
 _RULES.update({op: factory_rule for op in FACTORY_OPS})
 _RULES.update({aten.split.Tensor: split_rule, aten.split_with_sizes.default: split_rule})
+_RULES.update(loss_parallel.RULES)
 _RULES.update({op: sharded_size_rule for op in NEW_FACTORY_OPS | {aten.expand.default, aten.repeat.default}})
 
 

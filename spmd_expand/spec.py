@@ -7,7 +7,7 @@ with the *global* tensor metadata.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -39,6 +39,10 @@ class NodeSharding:
     # Random ops: the spmd_expand.rng.RandomOp that expansion emits as a global draw plus this
     # rank's part of it (None for every other node).
     random: Any = field(default=None)
+    # For ops whose sharded form is not the op run on shards (DTensor's custom op handlers, e.g.
+    # loss parallel): a function of the local values of the node's tensor arguments (in ``inputs``
+    # order, already redistributed) returning its local output(s); expansion traces and inlines it.
+    local_op: Optional[Callable[..., Any]] = field(default=None)
 
 
 def concrete(x: Any) -> Any:

@@ -44,7 +44,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from . import ops
+from .boundaries import mark_boundaries
 from .errors import TraceError
+from .loss_parallel import MarkLossParallel
 
 __all__ = [
     "HyperParameter",
@@ -443,38 +445,6 @@ def _fake(fake_mode: FakeTensorMode, spec: TensorSpec) -> torch.Tensor:
     return fake_mode.from_tensor(template, symbolic_context=context)
 
 
-@contextlib.contextmanager
-def _module_layouts(model: nn.Module, layouts: Mapping[str, list]) -> Iterator[None]:
-    """Wrap the inputs and outputs of the named modules in ``layout`` markers while tracing."""
-    handles = []
-
-    def marks(which: int, entries: list):
-        def mark(value):
-            if not isinstance(value, torch.Tensor):
-                return value
-            for mesh_dim, *placements in entries:
-                if placements[which] is not None:
-                    value = ops.layout(value, mesh_dim, placements[which])
-            return value
-
-        return mark
-
-    modules = dict(model.named_modules())
-    for fqn, entries in layouts.items():
-        to_input, to_output = marks(0, entries), marks(1, entries)
-        handles.append(
-            modules[fqn].register_forward_pre_hook(lambda m, args, f=to_input: pytree.tree_map(f, args))
-        )
-        handles.append(
-            modules[fqn].register_forward_hook(lambda m, args, out, f=to_output: pytree.tree_map(f, out))
-        )
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
 def trace_step(
     fn: Callable[..., Any],
     args: tuple,
@@ -489,8 +459,8 @@ def trace_step(
 
     Args:
         fn: the user's train step; ``model`` and ``optimizer`` appear among ``args``/``kwargs``.
-        module_layouts: module FQN -> [(mesh dim, input placement, output placement)]: where
-            ``layout`` markers go (tensor-parallel module boundaries).
+        module_layouts: module FQN -> [(mesh dim, :class:`~spmd_expand.boundaries.BoundaryLayouts`)]:
+            where ``layout`` markers go (tensor-parallel module boundaries).
         input_roles / input_specs: one entry per graph input, with global shapes. Batch inputs
             (``kind == "batch"``, ``key`` = index among the tensor leaves of ``(args, kwargs)``) take
             the place of those leaves; param/buffer/grad/state inputs replace the model's and
@@ -563,7 +533,7 @@ def trace_step(
         try:
             with stateless._reparametrize_module(model, {**params, **buffers}, tie_weights=True), _optimizer_on(
                 optimizer, swap, states, hyperparameters, hp_values
-            ), _module_layouts(model, module_layouts or {}), mode:
+            ), mark_boundaries(model, module_layouts or {}), mode:
                 result = fn(*call_args, **call_kwargs)
                 for original, wide, fqn, key in widened:
                     original.copy_(wide)
@@ -606,7 +576,7 @@ def trace_step(
         with torch.compiler._compile_session_context(), torch.enable_grad():
             # _compile_session_context: optimizers take their traceable paths (`step` stays a tensor,
             # no .item()), with the same arithmetic as their default eager path.
-            with fx_traceback.preserve_node_meta():
+            with fx_traceback.preserve_node_meta(), MarkLossParallel():
                 autograd_graph = make_fx(step, tracing_mode="symbolic", record_stack_traces=True)(*fakes, *sym_values)
             detached = [t.detach() for t in fakes]
 

@@ -1,0 +1,233 @@
+"""Layouts at module boundaries: what tensor-parallel styles ask of a module's inputs and outputs.
+
+torch's styles (``torch/distributed/tensor/parallel/style.py``) act in forward hooks: a pre-hook turns
+the module's inputs into DTensors with ``input_layouts`` and redistributes them to the layouts the
+module needs (``desired_input_layouts``); a post-hook does the same for outputs. In a whole-step graph
+every value is a global tensor whose placement propagation already knows, so the ``input_layouts``
+annotation has nothing to add: only the layout a value is *brought to* matters. :func:`style_layouts`
+turns a style into those target layouts (:class:`BoundaryLayouts`), and :func:`mark_boundaries` puts a
+``spmd_expand::layout`` marker (see :func:`spmd_expand.ops.layout`) on each of them while the step is
+traced; propagation then redistributes there, as the style's hook would. Gradients of module outputs
+come back in the output's layout (in eager DTensor the backward of the output redistribution does
+that); gradients of inputs flow on as propagation places them, so that e.g. the partial input
+gradients of q/k/v projections are summed before one reduction. ``use_local_output`` has no meaning
+here: the step always sees global tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Optional, Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from . import ops
+from .errors import PlanError, TraceError
+
+__all__ = ["BoundaryLayouts", "style_layouts", "mark_boundaries", "encode_placement", "TP_STYLES"]
+
+
+def _tp_styles() -> tuple[type, ...]:
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    return (ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput)
+
+
+TP_STYLES: tuple[type, ...] = _tp_styles()
+"""The ``torch.distributed.tensor.parallel`` styles a tensor-parallel plan accepts."""
+
+
+@dataclass(frozen=True)
+class BoundaryLayouts:
+    """Target placements (on one mesh dim) at one module's boundary; None leaves a value as it is.
+
+    ``inputs`` are by position among the forward's positional arguments, ``kwargs`` by keyword,
+    ``outputs`` by position in a tuple output (a single tensor output is position 0). With
+    ``exact_inputs`` / ``exact_outputs`` the module must be called with exactly that many positional
+    arguments / return exactly that many outputs (torch's ``PrepareModuleInput`` / ``PrepareModuleOutput``
+    raise otherwise); without, the layouts apply to the first positions (``ColwiseParallel`` and the
+    other parameter styles read ``inputs[0]``).
+    """
+
+    inputs: tuple[Optional[Placement], ...] = ()
+    kwargs: tuple[tuple[str, Placement], ...] = ()
+    outputs: tuple[Optional[Placement], ...] = ()
+    exact_inputs: bool = False
+    exact_outputs: bool = False
+
+
+def encode_placement(placement: Placement, where: str) -> str:
+    """``Replicate()`` -> ``"R"``, ``Shard(d)`` -> ``"S<d>"``: the ``layout`` marker's encoding.
+
+    Raises:
+        PlanError: any other placement (``Partial`` cannot be asked for: a module boundary can
+            reduce a value but not make one unreduced; ``_StridedShard`` is not a layout a style names).
+    """
+    if isinstance(placement, Replicate):
+        return "R"
+    if isinstance(placement, Shard) and not isinstance(placement, _StridedShard):
+        return f"S{placement.dim}"
+    raise PlanError(f"{where}: tensor-parallel layouts must be Replicate() or Shard(dim), got {placement}")
+
+
+def _target(given: Optional[Placement], desired: Optional[Placement]) -> Optional[Placement]:
+    # torch (PrepareModuleInput._prepare_input_arg): no given layout leaves the value alone; no
+    # desired layout keeps the given one, i.e. the module sees the value in that layout.
+    if given is None:
+        return None
+    return desired if desired is not None else given
+
+
+def _as_tuple(layouts: Any) -> tuple:
+    if layouts is None:
+        return ()
+    return (layouts,) if isinstance(layouts, Placement) else tuple(layouts)
+
+
+def style_layouts(style: object, module: nn.Module, fqn: str) -> BoundaryLayouts:
+    """The layouts torch's ``style`` brings ``module``'s inputs and outputs to.
+
+    ====================================  ==========================================  =====================
+    style                                 inputs                                      outputs
+    ====================================  ==========================================  =====================
+    ``ColwiseParallel``                   ``inputs[0]`` ``Replicate()``               ``output_layouts``
+    ``RowwiseParallel``                   ``inputs[0]`` ``Shard(-1)`` (Linear),       ``output_layouts``
+                                          ``Replicate()`` (Embedding)
+    ``SequenceParallel``                  ``inputs[0]`` ``Shard(sequence_dim)``       ``Shard(sequence_dim)``
+    ``PrepareModuleInput``                ``desired_input_layouts`` (or, where None,  --
+                                          ``input_layouts``; nothing where
+                                          ``input_layouts`` is None), by position
+                                          and keyword
+    ``PrepareModuleOutput``               --                                          ``desired_output_layouts``
+    ``PrepareModuleInputOutput``          as ``PrepareModuleInput``                   as ``PrepareModuleOutput``
+    ====================================  ==========================================  =====================
+
+    Raises:
+        PlanError: ``style`` is not one of these, or names a placement other than ``Replicate()`` /
+            ``Shard(dim)`` as a target.
+    """
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    where = f"{type(style).__name__} on {fqn!r}"
+    if isinstance(style, ColwiseParallel):
+        layouts = BoundaryLayouts(inputs=(Replicate(),), outputs=(style.output_layouts[0],))
+    elif isinstance(style, RowwiseParallel):
+        # RowwiseParallel picks its desired input when applied: split features for a Linear, whole
+        # indices for an Embedding (style.py, RowwiseParallel._apply).
+        wanted = Replicate() if isinstance(module, nn.Embedding) else Shard(-1)
+        layouts = BoundaryLayouts(inputs=(wanted,), outputs=(style.output_layouts[0],))
+    elif isinstance(style, SequenceParallel):
+        layouts = BoundaryLayouts(inputs=style.sequence_sharding, outputs=style.sequence_sharding)
+    elif isinstance(style, PrepareModuleInputOutput):
+        inputs = style_layouts(style.prepare_module_input, module, fqn)
+        outputs = style_layouts(style.prepare_module_output, module, fqn)
+        layouts = BoundaryLayouts(
+            inputs=inputs.inputs, kwargs=inputs.kwargs, outputs=outputs.outputs, exact_inputs=inputs.exact_inputs, exact_outputs=True
+        )
+    elif isinstance(style, PrepareModuleInput):
+        given, desired = _as_tuple(style.input_layouts), _as_tuple(style.desired_input_layouts)
+        kwargs = tuple(
+            (key, target)
+            for key in sorted(set(style.input_kwarg_layouts) | set(style.desired_input_kwarg_layouts))
+            if (target := _target(style.input_kwarg_layouts.get(key), style.desired_input_kwarg_layouts.get(key))) is not None
+        )
+        layouts = BoundaryLayouts(
+            inputs=tuple(_target(g, d) for g, d in zip(given, desired)), kwargs=kwargs, exact_inputs=style.input_layouts is not None
+        )
+    elif isinstance(style, PrepareModuleOutput):
+        given, desired = _as_tuple(style.output_layouts), _as_tuple(style.desired_output_layouts)
+        layouts = BoundaryLayouts(outputs=tuple(_target(g, d) for g, d in zip(given, desired)), exact_outputs=True)
+    else:
+        raise PlanError(f"{where}: not a torch.distributed.tensor.parallel style spmd_expand accepts ({', '.join(s.__name__ for s in TP_STYLES)})")
+    for p in (*layouts.inputs, *(p for _, p in layouts.kwargs), *layouts.outputs):
+        if p is not None:
+            encode_placement(p, where)
+    return layouts
+
+
+def _mark(value: Any, marks: Sequence[tuple[int, Placement]], what: str, output: bool = False) -> Any:
+    if not marks:
+        return value
+    if not isinstance(value, torch.Tensor):
+        raise TraceError(f"{what} is a {type(value).__name__}, but the plan gives it a layout; give it None in the style")
+    for mesh_dim, placement in marks:
+        encoded = encode_placement(placement, what)
+        # An output's gradient comes back in the output's layout, as the backward of the style's
+        # redistribution gives it in eager DTensor (e.g. RowwiseParallel: replicated, not partial).
+        value = ops.layout(value, mesh_dim, encoded, encoded if output else "")
+    return value
+
+
+def _positional(values: tuple, layouts: Sequence[tuple[int, BoundaryLayouts]], field: str, exact: str, what: str) -> tuple:
+    out = list(values)
+    for mesh_dim, lay in layouts:
+        targets = getattr(lay, field)
+        if getattr(lay, exact) and len(targets) != len(values):
+            raise TraceError(
+                f"{what}: the plan gives {len(targets)} layouts but the module has {len(values)} "
+                f"(torch's style requires one per {'positional input' if field == 'inputs' else 'output'}, None for those left alone)"
+            )
+        for i, p in enumerate(targets[: len(values)]):
+            if p is not None:
+                out[i] = _mark(out[i], [(mesh_dim, p)], f"{what}, position {i}", output=field == "outputs")
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def mark_boundaries(model: nn.Module, layouts: Mapping[str, Sequence[tuple[int, BoundaryLayouts]]]) -> Iterator[None]:
+    """While active, the named submodules' inputs and outputs pass through ``layout`` markers.
+
+    Args:
+        model: the traced model.
+        layouts: module FQN -> ``[(mesh dim, BoundaryLayouts)]``.
+
+    Raises (while tracing):
+        TraceError: a value a layout names is not a tensor, or a style that needs one layout per
+            input/output meets a module called with another number of them.
+    """
+    modules = dict(model.named_modules())
+    handles = []
+    for fqn, entries in layouts.items():
+
+        def pre(module, args, kwargs, fqn=fqn, entries=entries):
+            what = f"input of {fqn or type(module).__name__!r}"
+            args = _positional(args, entries, "inputs", "exact_inputs", what)
+            kwargs = dict(kwargs)
+            for mesh_dim, lay in entries:
+                for key, p in lay.kwargs:
+                    if key in kwargs:
+                        kwargs[key] = _mark(kwargs[key], [(mesh_dim, p)], f"{what} {key!r}")
+            return args, kwargs
+
+        def post(module, args, output, fqn=fqn, entries=entries):
+            what = f"output of {fqn or type(module).__name__!r}"
+            if isinstance(output, tuple):  # as torch's output hooks: a tuple's entries by position
+                values = _positional(output, entries, "outputs", "exact_outputs", what)
+                return type(output)(*values) if hasattr(output, "_fields") else type(output)(values)
+            return _positional((output,), entries, "outputs", "exact_outputs", what)[0]
+
+        handles.append(modules[fqn].register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(modules[fqn].register_forward_hook(post))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
