@@ -230,7 +230,8 @@ def nll_loss_backward_rule(node: fx.Node, prop) -> Optional[NodeSharding]:
         return None
     spec = prop.output_of(x)
     channel_dim = _channel_dim(spec)
-    if _class_mesh_dim(spec, channel_dim) is None:
+    # The fused gradient assumes the log-softmax normalized over the NLL's class dim.
+    if _class_mesh_dim(spec, channel_dim) is None or source.args[1] % len(spec.tensor_meta.shape) != channel_dim:
         return None
     replicated = tuple(Replicate() for _ in spec.placements)
     target_spec = spec_with_meta(prop.mesh, _target_placements(spec, channel_dim), prop.output_of(target).tensor_meta)

@@ -27,6 +27,9 @@
   cross-entropy computed inside torch's ``loss_parallel()`` on class-sharded logits: torch implements
   these as DTensor op handlers, not strategies; :mod:`spmd_expand.loss_parallel` places them and
   runs those handlers on the local shards. Any other use keeps DTensor's rules.
+* ``cat`` with legacy empty inputs (1-D, size 0, which ``torch.cat`` skips; HuggingFace's
+  ``DynamicCache`` starts from one): DTensor's rule would shard them like the other inputs, on dims
+  they lack. They keep their placement, and DTensor's rule places the other inputs.
 * ``expand``, ``repeat`` and the ``new_*`` factories have DTensor rules, but those cannot know that a
   size came from a sharded batch dim; when one did, the output is sharded the same way instead of being
   materialized at global size and split afterwards.
@@ -42,6 +45,7 @@ A rule takes ``(node, propagator)`` and returns a ``NodeSharding``, or None to d
 
 from __future__ import annotations
 
+import types
 from typing import Any, Callable, Optional
 
 import torch
@@ -168,6 +172,24 @@ def constant_rule(node: fx.Node, prop):
     replicated value, so it keeps the constant's placement."""
     spec = prop.output_of(node.args[0])
     return NodeSharding(inputs=(spec,), output=spec)
+
+
+def _legacy_empty(prop, a) -> bool:
+    return isinstance(a, fx.Node) and tuple(prop.output_of(a).tensor_meta.shape) == (0,)
+
+
+def cat_rule(node: fx.Node, prop):
+    """``cat`` skipping legacy empty inputs: DTensor's rule over the others (see the module docstring)."""
+    tensors = node.args[0]
+    if not any(_legacy_empty(prop, t) for t in tensors) or all(_legacy_empty(prop, t) for t in tensors):
+        return None
+    kept = [t for t in tensors if not _legacy_empty(prop, t)]
+    # DTensor's rule reads target, args, kwargs and meta: the same node without the empty inputs.
+    view = types.SimpleNamespace(target=node.target, args=(kept, *node.args[1:]), kwargs=node.kwargs, meta=node.meta, name=node.name)
+    sharding = prop.dtensor_rule(view)
+    placed = iter(sharding.inputs)
+    inputs = [prop.output_of(t) if _legacy_empty(prop, t) else next(placed) for t in tensors]
+    return NodeSharding(inputs=(*inputs, *placed), output=sharding.output)
 
 
 def factory_rule(node: fx.Node, prop):
@@ -402,6 +424,7 @@ _RULES: dict[Any, Callable] = {
 _RULES.update({op: factory_rule for op in FACTORY_OPS})
 _RULES.update({aten.split.Tensor: split_rule, aten.split_with_sizes.default: split_rule})
 _RULES.update(loss_parallel.RULES)
+_RULES[aten.cat.default] = cat_rule
 _RULES.update({op: sharded_size_rule for op in NEW_FACTORY_OPS | {aten.expand.default, aten.repeat.default}})
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 
 import pytest
+import torch
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
@@ -118,3 +119,26 @@ def test_every_mapped_string_is_a_transformers_style():
 
     known = set(ALL_PARALLEL_STYLES.keys()) | {"local_colwise", "local_rowwise"}
     assert set(HF_STYLES) <= known, set(HF_STYLES) - known
+
+
+class _CachedHeads(nn.Module):
+    """Appends column-parallel features to an empty cache, as HF's DynamicCache does on its first call."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 8)
+
+    def forward(self, x):
+        cache = torch.tensor([])  # legacy empty: torch.cat skips it
+        return torch.cat([cache, self.proj(x)], dim=0)
+
+
+def test_cat_onto_a_legacy_empty_tensor_under_tp(fake_mesh):
+    """The projection's output is Shard(1); DTensor's cat rule would shard the 1-D empty tensor on dim 1."""
+    import cases
+
+    model = _CachedHeads()
+    step = spmd.compile(mesh=fake_mesh, plan=spmd.TensorParallel({"proj": ColwiseParallel()}), lower="eager")(cases.mse_step)
+    step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 16))
+    cat = next(n for n in step.last.traced.graph_module.graph.nodes if n.target is torch.ops.aten.cat.default)
+    assert cat.meta["spmd"].output.placements == (Shard(1),)

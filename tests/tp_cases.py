@@ -200,11 +200,12 @@ VOCAB_PARALLEL = {**MEGATRON_FF, "emb": RowwiseParallel(), "head": ColwiseParall
 def llama_config():
     from transformers import LlamaConfig
 
-    # use_cache=False: a train step has no use for a KV cache.
+    # Grouped-query attention (2 key/value heads for 4 query heads); use_cache stays at its default
+    # (True): forward builds a KV cache from an empty tensor, which the step then drops.
     return LlamaConfig(
         vocab_size=VOCAB * 2, hidden_size=DIM * 2, intermediate_size=HIDDEN * 2, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ * 2,
-        attention_dropout=0.0, use_cache=False,
+        attention_dropout=0.0,
     )
 
 
