@@ -25,7 +25,7 @@ TP_W2 = [
     "llama",
     "llama_loss_parallel",
 ]
-FSDP_TP_2X2 = ["llama", "loss_parallel", "prepare_input"]
+FSDP_TP_2X2 = ["llama_sgd", "loss_parallel", "prepare_input"]
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_tp_world2(results, name):
 @pytest.mark.parametrize("name", FSDP_TP_2X2)
 def test_fsdp_tp_2x2(results, name):
     r = check(results(True), name)
-    if name == "llama":
+    if name == "llama_sgd":
         assert r["placements"]["model.layers.0.self_attn.q_proj.weight"] == (Shard(0), Shard(0))
         assert r["placements"]["model.layers.0.self_attn.o_proj.weight"] == (Shard(0), Shard(1))
     elif name == "loss_parallel":
