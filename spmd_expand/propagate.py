@@ -136,8 +136,9 @@ class _Propagator:
                 node,
                 f"no sharding rule for {op}: {str(e).splitlines()[0]}",
                 placements=[s.placements for s in current if s is not None],
-                fix="pass module_override= to swap the submodule for a traceable stand-in, or add a rule "
-                "for this op in spmd_expand/rules.py",
+                fix=f"register the placements this op accepts with DTensor's "
+                f"torch.distributed.tensor.experimental.register_sharding({op}) (spmd_expand looks rules up "
+                f"there), or pass module_override= to swap the submodule for a traceable stand-in",
             ) from e
         except Exception as e:  # noqa: BLE001 - DTensor raises assorted types for unsatisfiable inputs
             raise node_error(

@@ -331,6 +331,8 @@ def run_case(case: Case, mesh, rank: int, world: int, steps: int, lower: str, pl
         "states": {f"{k}.{s}": _full(t).clone() for k, p in model.named_parameters() for s, t in optimizer.state[p].items() if isinstance(t, torch.Tensor)},
         "ref_states": {f"{k}.{s}": t.clone() for k, p in reference.named_parameters() for s, t in ref_optimizer.state[p].items() if isinstance(t, torch.Tensor)},
         "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
+        # Ops of the last compiled local graph, e.g. to check which attention kernel or collectives ran.
+        "graph_ops": sorted({str(n.target) for n in step.last.local_graph.graph.nodes if n.op == "call_function"}),
     }
 
 

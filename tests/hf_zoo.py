@@ -1,0 +1,211 @@
+"""HuggingFace transformers models for the model-zoo parity suite.
+
+Tiny random configs built here (no downloads): hidden 32, 2-4 heads, vocab 96, sequence 12, every
+dropout probability 0, weights seeded. One layer each (one encoder and one decoder layer for BART):
+tracing time grows with depth, and what repeats per layer is covered by the GPT cases of
+``test_parity.py``. The step is an ordinary HF training step (``model(input_ids=..., labels=...)``,
+``out.loss.backward()``, ``optimizer.step()``, ``optimizer.zero_grad()``, return ``out.loss``), trained
+with AdamW at lr 1e-3.
+
+``run_zoo`` is a worker for :func:`spmd_expand.launch.run_local`: on every rank it runs each
+(model, plan, lowering) through :func:`cases.run_case` (the single-device reference over the global
+batch and the compiled step over this rank's shard of it) and returns both for the test to compare.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import transformers
+
+import cases
+
+VOCAB = 96
+SEQ = 12
+GLOBAL_BATCH = 4
+TARGET_LEN = 8  # decoder length of the encoder-decoder models
+
+_DECODER = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # grouped-query attention: 2 key/value heads serve 4 query heads
+    max_position_embeddings=32,
+    attention_dropout=0.0,
+)
+
+
+def lm_step(model, optimizer, input_ids, labels):
+    """The ordinary HF step: the model computes its own loss from ``labels``."""
+    out = model(input_ids=input_ids, labels=labels)
+    out.loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return out.loss
+
+
+def padded_lm_step(model, optimizer, input_ids, attention_mask, labels):
+    """``lm_step`` with a padding ``attention_mask`` (a batch tensor, sharded like ``input_ids``)."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    out.loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return out.loss
+
+
+def causal_batch(g: torch.Generator) -> tuple:
+    """(input_ids, labels) of a causal LM; the model shifts the labels itself."""
+    ids = torch.randint(1, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+    return ids, ids.clone()
+
+
+def padded_causal_batch(g: torch.Generator) -> tuple:
+    """(input_ids, attention_mask, labels), right-padded: row i holds SEQ - 3i tokens.
+
+    The ranks' shards hold different numbers of real tokens (21 and 9 of 24 for W=2), so the mean
+    loss over the global batch is not the mean of the ranks' means.
+    """
+    ids, labels = causal_batch(g)
+    lengths = torch.tensor([SEQ - 3 * i for i in range(GLOBAL_BATCH)])
+    mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
+    return ids, mask, labels.masked_fill(mask == 0, -100)
+
+
+def masked_lm_batch(g: torch.Generator) -> tuple:
+    """(input_ids, labels) of a masked LM: about 30% of positions predicted, the rest -100."""
+    ids = torch.randint(1, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+    predicted = torch.rand(GLOBAL_BATCH, SEQ, generator=g) < 0.3
+    return ids, torch.where(predicted, ids, torch.full_like(ids, -100))
+
+
+def seq2seq_batch(g: torch.Generator) -> tuple:
+    """(input_ids, labels); the model builds its decoder inputs from the labels."""
+    ids = torch.randint(1, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+    return ids, torch.randint(1, VOCAB, (GLOBAL_BATCH, TARGET_LEN), generator=g)
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One zoo entry: how to build the model, its batch and its step."""
+
+    config: Callable[[str], transformers.PretrainedConfig]  # attn_implementation -> config
+    model_class: Callable[[transformers.PretrainedConfig], torch.nn.Module]
+    batch: Callable[[torch.Generator], tuple] = causal_batch
+    step: Callable = lm_step
+    attention: str = "sdpa"
+    # Run in the worker before the model is built (e.g. registering a sharding rule with DTensor).
+    setup: Optional[Callable[[], None]] = None
+    # Ops the compiled local graph must hold (proof that the code path under test ran).
+    expect_ops: tuple[str, ...] = ()
+
+    def build(self) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return self.model_class(self.config(self.attention))
+
+    def case(self) -> cases.Case:
+        return cases.Case(self.build, "adamw_gpt", self.batch, self.step)
+
+
+def _gpt2(attn):
+    return transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=1, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attn,
+    )
+
+
+def _llama(attn):
+    return transformers.LlamaConfig(**_DECODER, attn_implementation=attn)
+
+
+def _mistral(attn):
+    # A window shorter than the sequence: the sliding-window mask is built and used.
+    return transformers.MistralConfig(**_DECODER, sliding_window=4, attn_implementation=attn)
+
+
+def _mixtral(attn, experts="batched_mm"):
+    return transformers.MixtralConfig(
+        **_DECODER, num_local_experts=4, num_experts_per_tok=2,
+        experts_implementation=experts, attn_implementation=attn,
+    )
+
+
+def register_grouped_mm_sharding() -> None:
+    """Tell DTensor how to place transformers' grouped-mm experts ops (opaque custom ops).
+
+    The user-side fix the error for them names: only replicated inputs are accepted (each rank then
+    runs every expert on all tokens: correct, not expert-parallel).
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.experimental import register_sharding
+
+    ops = torch.ops.transformers
+
+    @register_sharding(ops.grouped_mm_fallback.default)
+    def forward(input, weight, offs):
+        return [([Replicate()], [Replicate(), Replicate(), Replicate()])]
+
+    @register_sharding(ops.grouped_mm_fallback_backward.default)
+    def backward(input, weight, offs, grad_output):
+        return [([Replicate(), Replicate()], [Replicate(), Replicate(), Replicate(), Replicate()])]
+
+
+def _bert(attn):
+    return transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        attn_implementation=attn,
+    )
+
+
+def _bart(attn):
+    return transformers.BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, attn_implementation=attn,
+    )
+
+
+ZOO: dict[str, Arch] = {
+    "gpt2": Arch(_gpt2, transformers.GPT2LMHeadModel),
+    "llama": Arch(_llama, transformers.LlamaForCausalLM),
+    "mistral": Arch(_mistral, transformers.MistralForCausalLM),
+    "bert": Arch(_bert, transformers.BertForMaskedLM, masked_lm_batch),
+    "bart": Arch(_bart, transformers.BartForConditionalGeneration, seq2seq_batch),
+    # Variants: eager attention, a padding mask, mixtures of experts (batched, and grouped with the
+    # user's sharding rule for its custom ops).
+    "gpt2_eager_attention": Arch(_gpt2, transformers.GPT2LMHeadModel, attention="eager"),
+    "llama_padded": Arch(_llama, transformers.LlamaForCausalLM, padded_causal_batch, padded_lm_step),
+    "mixtral": Arch(_mixtral, transformers.MixtralForCausalLM, expect_ops=("aten.bmm.default",)),
+    "mixtral_grouped_mm": Arch(
+        lambda attn: _mixtral(attn, "grouped_mm"),
+        transformers.MixtralForCausalLM,
+        setup=register_grouped_mm_sharding,
+        expect_ops=("transformers.grouped_mm_fallback.default", "transformers.grouped_mm_fallback_backward.default"),
+    ),
+}
+
+
+def run_zoo(rank: int, world: int, runs: list[tuple[str, str, str]], steps: int = 3) -> dict:
+    """Worker: ``cases.run_case`` for each (zoo name, plan name, lowering); errors are returned per run."""
+    results = {}
+    meshes = {}
+    for name, plan, lower in runs:
+        if plan not in meshes:
+            meshes[plan] = cases.make_mesh(plan, world)
+        start = time.process_time()
+        try:
+            if ZOO[name].setup is not None:
+                ZOO[name].setup()
+            result = cases.run_case(ZOO[name].case(), meshes[plan], rank, world, steps, lower, plan)
+        except Exception:  # noqa: BLE001 - reported per run by the test
+            result = {"error": traceback.format_exc()}
+        # CPU seconds of this rank (wall time is inflated by other load): for sizing the suite.
+        result["cpu_seconds"] = time.process_time() - start
+        results[(name, plan, lower)] = result
+    return results
