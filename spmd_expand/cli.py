@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 from .tools import diff as diff_tool
 from .tools import dump as dump_tool
 from .presets import mesh_shape, preset
-from .train import PLANS, TrainConfig, train_worker
+from .train import PARITY_ATOL, PARITY_RTOL, PLANS, TrainConfig, train_worker
 
 __all__ = ["main"]
 
@@ -80,11 +80,12 @@ def _report(summary: dict, cfg: TrainConfig) -> None:
     print(f"compile {summary['compile_seconds']:.1f} s; {summary['tokens_per_second']:,.0f} tokens/s after compile")
     print(f"collectives per step: {per_kind or 'none'}")
     if "parity_max_abs_diff" in summary:
-        diff = summary["parity_max_abs_diff"]
-        verdict = "OK" if diff <= 1e-4 else "MISMATCH"
+        verdict = "OK" if summary["parity_ok"] else "MISMATCH"
         print(
             f"parity: first {cfg.parity_steps} steps on one process over the global batch, "
-            f"max |param diff| = {diff:.2e} ({verdict})"
+            f"max |param diff| = {summary['parity_max_abs_diff']:.2e}, "
+            f"{summary['parity_outliers']} of {summary['parity_elements']:,} elements outside "
+            f"rtol={PARITY_RTOL:g}/atol={PARITY_ATOL:g} ({verdict})"
         )
 
 

@@ -131,14 +131,42 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         "bytes_per_step": stats.total_bytes,
     }
     if rank == 0 and snapshot is not None:
-        summary["parity_max_abs_diff"] = _replay_single_device(initial, batches, cfg, snapshot, device)
+        summary.update(_replay_single_device(initial, batches, cfg, snapshot, device))
     return summary
 
 
-def _replay_single_device(model: nn.Module, batches: TextBatches, cfg: TrainConfig, snapshot: dict, device: str) -> float:
-    """Run the first ``parity_steps`` steps uncompiled over the global batch; max |param diff|."""
+PARITY_RTOL, PARITY_ATOL = 1e-4, 1e-5
+"""fp32 tolerance of one parameter element (the test suite's)."""
+
+PARITY_OUTLIER_FRACTION = 1e-4
+"""Share of parameter elements allowed outside the tolerance before the parity check fails.
+
+Adam divides each gradient element by its running RMS, so an element whose gradient is near Adam's
+``eps`` (1e-8) moves by a fraction of ``lr`` that depends on the gradient's last bits: a different
+reduction order (Inductor's fused kernels; plain ``torch.compile`` on one device shows the same
+7.5e-5 on the demo GPT at lr 3e-3, on 2 of 110208 elements) moves such elements by up to ``lr``.
+A wrong expansion (a missing or doubled reduction, a wrong shard) moves most elements."""
+
+
+def _replay_single_device(model: nn.Module, batches: TextBatches, cfg: TrainConfig, snapshot: dict, device: str) -> dict:
+    """Run the first ``parity_steps`` steps uncompiled over the global batch and compare parameters.
+
+    Returns ``parity_max_abs_diff``, ``parity_outliers`` (elements outside ``PARITY_RTOL/ATOL``),
+    ``parity_elements`` and ``parity_ok`` (outliers at most ``PARITY_OUTLIER_FRACTION`` of the
+    elements)."""
     optimizer = _optimizer(model, cfg.lr)
     for i in range(cfg.parity_steps):
         x, y = batches.batch(i)
         language_model_step(model, optimizer, x.to(device), y.to(device))
-    return max((snapshot[k] - v.detach()).abs().max().item() for k, v in model.named_parameters())
+    max_diff, outliers, elements = 0.0, 0, 0
+    for k, ref in model.named_parameters():
+        diff = (snapshot[k] - ref.detach()).abs()
+        max_diff = max(max_diff, diff.max().item())
+        outliers += int((diff > PARITY_ATOL + PARITY_RTOL * ref.detach().abs()).sum())
+        elements += diff.numel()
+    return {
+        "parity_max_abs_diff": max_diff,
+        "parity_outliers": outliers,
+        "parity_elements": elements,
+        "parity_ok": outliers <= PARITY_OUTLIER_FRACTION * elements,
+    }
