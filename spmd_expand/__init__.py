@@ -5,13 +5,14 @@
     @spmd.compile(mesh=mesh, plan=spmd.DDP())
     def train_step(model, optimizer, x, y): ...
 
-Stages (one module each): trace -> propagate -> expand -> passes -> lower; see ``api.compile``.
+Stages (one module each; the order is written in ``pipeline``): trace -> global passes -> propagate ->
+expand -> local passes (``spmd_expand.passes``) -> lower; see ``api.compile``.
 """
 
 from . import ops  # noqa: F401  (registers spmd_expand::gradient)
 from .api import CompiledStep, Override, StepArtifacts, compile
 from .dsymint import DSymInt
-from .errors import BatchError, PlacementError, PlanError, SpmdError, TraceError, UnsupportedOpError
+from .errors import BatchError, PassError, PlacementError, PlanError, SpmdError, TraceError, UnsupportedOpError
 from .plans import DDP, FSDP, ParallelStyle, TensorParallel
 
 __all__ = [
@@ -30,4 +31,5 @@ __all__ = [
     "UnsupportedOpError",
     "PlacementError",
     "BatchError",
+    "PassError",
 ]

@@ -1,10 +1,8 @@
 """Apply the plan to the global graph before propagation.
 
 * :func:`output_placements`: the placements each graph output must end with.
-* :func:`regather_for_backward`: for ``reshard_after_forward``, give every region of the step after the
-  first (each backward, and the forward of each later micro-batch) its own copy of a parameter's
-  ``unshard`` marker, so the gathered parameter is not kept alive from forward into backward and is
-  gathered again where it is needed (what FSDP does with ``reshard_after_forward=True``).
+* :func:`regions`: which forward or backward region of the step each node belongs to (passes use it,
+  e.g. ``passes.regather``).
 """
 
 from __future__ import annotations
@@ -14,12 +12,11 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .ops import UNSHARD
 from .plans import ResolvedPlan
 from .spec import AS_PRODUCED, replicate
 from .trace import TracedStep, backward_index
 
-__all__ = ["output_placements", "regather_for_backward"]
+__all__ = ["output_placements", "regions", "VIEW_OPS"]
 
 aten = torch.ops.aten
 
@@ -65,56 +62,14 @@ def output_placements(
     return result
 
 
-def _regions(graph: fx.Graph) -> dict[fx.Node, tuple[str, int]]:
+def regions(graph: fx.Graph) -> dict[fx.Node, tuple[str, int]]:
     """("fwd", k) for nodes after the k-th backward call (k=0: before any), ("bwd", k) inside it."""
-    regions, seen = {}, 0
+    result, seen = {}, 0
     for node in graph.nodes:
         index = backward_index(node)
         if index is not None:
             seen = index
-            regions[node] = ("bwd", index)
+            result[node] = ("bwd", index)
         else:
-            regions[node] = ("fwd", seen)
-    return regions
-
-
-def regather_for_backward(gm: fx.GraphModule) -> int:
-    """Give each region after the first its own ``unshard`` of every parameter it reads.
-
-    Returns the number of ``unshard`` markers added. Idempotent: a second run adds none.
-    """
-    graph = gm.graph
-    regions = _regions(graph)
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    added = 0
-    for marker in [n for n in graph.nodes if n.target is UNSHARD]:
-        closure = [marker]
-        for node in closure:  # grows while iterating: the marker's view chain, in graph order
-            closure.extend(u for u in node.users if u.target in VIEW_OPS and u.args[0] is node)
-        members = set(closure)
-        home = regions[marker]
-        uses: dict[tuple[str, int], list[tuple[fx.Node, fx.Node]]] = {}
-        for value in closure:
-            for user in value.users:
-                if user not in members and regions[user] != home:
-                    uses.setdefault(regions[user], []).append((value, user))
-        for region, pairs in uses.items():
-            first = min((user for _, user in pairs), key=order.__getitem__)
-            copies: dict[fx.Node, fx.Node] = {}
-
-            def copy(value: fx.Node) -> fx.Node:
-                if value not in copies:
-                    args = value.args if value is marker else (copy(value.args[0]), *value.args[1:])
-                    new = graph.call_function(value.target, args, value.kwargs)
-                    new.meta = dict(value.meta)
-                    copies[value] = new
-                return copies[value]
-
-            with graph.inserting_before(first):
-                for value, user in pairs:
-                    user.replace_input_with(value, copy(value))
-            added += 1
-    if added:
-        graph.lint()
-        gm.recompile()
-    return added
+            result[node] = ("fwd", seen)
+    return result

@@ -1,66 +1,35 @@
 """``spmd.compile``: the user-facing entry point, and the training state it keeps as DTensors.
 
-Pipeline per distinct state of the call (see :mod:`spmd_expand.guards` for what is checked on
-every call): trace (global graph) -> propagate (placements) -> expand (local graph) -> passes -> lower.
+:class:`CompiledStep` finds the model and optimizer among the step's arguments, keeps their state as
+DTensors, checks on every call what the compiled graph assumed (:mod:`spmd_expand.guards`), runs the
+compiled graph and writes its results back. Compiling is :func:`spmd_expand.pipeline.compile_step`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import time
 import warnings
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
-import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
-from .annotate import output_placements, regather_for_backward
-from .batch_norm import traceable_batch_norms
 from .errors import SpmdError, TraceError
-from .expand import RedistributeCache, expand
+from .expand import RedistributeCache
 from .guards import ObjectIds, cache_key, check_batch, initialize_optimizer_state
-from .lower import LOWERINGS, lower
+from .lower import LOWERINGS
+from .passes import resolve_passes
+from .pipeline import Override, StepArtifacts, compile_step
 from .plans import Plan, ResolvedPlan, resolve_plan
-from .propagate import propagate
 from .spec import AS_PRODUCED, replicate
-from .trace import InputRole, TensorSpec, TracedStep, hyperparameters_of, trace_step
+from .trace import InputRole, TensorSpec, TracedStep, hyperparameters_of
 
 __all__ = ["compile", "CompiledStep", "Override", "StepArtifacts"]
-
-
-class Override:
-    """Swap a submodule that cannot be traced for a traceable stand-in while the step is traced.
-
-    Subclass and implement :meth:`replacement`; optionally :meth:`transform`, which receives the
-    expanded local graph. The stand-in must hold the original's parameters (the same tensor objects)
-    so they keep their FQNs' placements; it may hold no parameters of its own.
-    """
-
-    def replacement(self, fqn: str, module: nn.Module) -> nn.Module:
-        """The stand-in for submodule ``fqn`` (return ``module`` itself to keep it)."""
-        raise NotImplementedError
-
-    def transform(self, gm: fx.GraphModule) -> fx.GraphModule:
-        """Rewrite the expanded local graph (e.g. splice the real computation back in)."""
-        return gm
-
-
-@dataclass
-class StepArtifacts:
-    """What one compilation produced; kept for inspection (tests, ``spmd-expand dump``)."""
-
-    traced: TracedStep
-    local_graph: fx.GraphModule
-    runner: Callable[..., list]
-    seconds: dict[str, float] = field(default_factory=dict)
 
 
 def _find(leaves: Sequence[Any], kind: type, what: str, at_most_one: bool) -> Optional[Any]:
@@ -99,8 +68,9 @@ class CompiledStep:
         mesh: DeviceMesh,
         plan: Plan,
         lower: str = "inductor",
-        passes: Optional[Sequence[Callable[[fx.GraphModule], Any]]] = None,
+        passes: Union[str, Sequence[Any], None] = "default",
         module_override: Optional[Sequence[Override]] = None,
+        keep_graphs: bool = False,
     ):
         if lower not in LOWERINGS:
             raise SpmdError(f"lower={lower!r} is not one of {LOWERINGS}")
@@ -108,7 +78,8 @@ class CompiledStep:
         self.mesh = mesh
         self.plan = plan
         self.lower = lower
-        self.passes = list(passes or [])
+        self.global_passes, self.local_passes = resolve_passes(passes)
+        self.keep_graphs = keep_graphs
         self.module_override = list(module_override or [])
         # Cache key (see guards.cache_key) -> compilations for it, each valid where its
         # hyperparameter guards hold.
@@ -212,49 +183,23 @@ class CompiledStep:
         return roles, specs, placements, locals_
 
     # ------------------------------------------------------------------ compile
-    def _compile(self, args, kwargs, model, optimizer, roles, specs, placements, locals_) -> StepArtifacts:
-        seconds: dict[str, float] = {}
-        clock = time.perf_counter()
-        with _overrides(model, self.module_override), traceable_batch_norms(model):
-            traced = trace_step(
-                self.fn, args, kwargs, model, optimizer, roles, specs, self._resolved.module_layouts()
-            )
-        seconds["trace"] = time.perf_counter() - clock
-
-        clock = time.perf_counter()
-        if self._resolved.reshard_after_forward:
-            regather_for_backward(traced.graph_module)
-        out_placements = output_placements(traced, model, self.mesh, self._resolved, self.requires_gradient_sync)
+    def _compile(self, args, kwargs, model, optimizer, roles, specs, placements, example_inputs) -> StepArtifacts:
         params = dict(model.named_parameters())
         plan = self._resolved
-        propagate(
-            traced,
-            self.mesh,
-            placements,
-            out_placements,
-            grad_placements=lambda fqn: (
-                plan.grad_placements(fqn, params[fqn]) if self.requires_gradient_sync else AS_PRODUCED
-            ),
-            compute_placements=lambda fqn: plan.compute_placements(fqn, params[fqn]),
+        sync = self.requires_gradient_sync
+        return compile_step(
+            self.fn, args, kwargs, model, optimizer, roles, specs, placements, example_inputs,
+            mesh=self.mesh,
+            plan=plan,
+            grad_placements=lambda fqn: plan.grad_placements(fqn, params[fqn]) if sync else AS_PRODUCED,
+            gradient_sync=sync,
+            global_passes=self.global_passes,
+            local_passes=self.local_passes,
+            module_override=self.module_override,
+            redistribute_cache=self.redistribute_cache,
+            lower=self.lower,
+            keep_graphs=self.keep_graphs,
         )
-        seconds["propagate"] = time.perf_counter() - clock
-
-        clock = time.perf_counter()
-        local = expand(traced.graph_module, self.redistribute_cache)
-        seconds["expand"] = time.perf_counter() - clock
-
-        clock = time.perf_counter()
-        for p in self.passes:
-            result = p(local)
-            local = getattr(result, "graph_module", result) or local
-        for override in self.module_override:
-            local = override.transform(local)
-        seconds["passes"] = time.perf_counter() - clock
-
-        clock = time.perf_counter()
-        runner = lower(local, locals_, self.lower)
-        seconds["lower"] = time.perf_counter() - clock
-        return StepArtifacts(traced, local, runner, seconds)
 
     def prepare(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """Make ``model``'s parameters (and ``optimizer``'s existing states) DTensors with the plan's
@@ -332,48 +277,14 @@ class CompiledStep:
         return pytree.tree_unflatten(filled, traced.return_spec)
 
 
-class _overrides:
-    """Swap submodules per ``Override.replacement`` for the duration of tracing."""
-
-    def __init__(self, model: nn.Module, overrides: Sequence[Override]):
-        self.model = model
-        self.overrides = overrides
-        self.swapped: list[tuple[str, nn.Module]] = []
-
-    def __enter__(self):
-        if not self.overrides:
-            return self
-        accessor = NamedMemberAccessor(self.model)
-        before = {id(p) for p in self.model.parameters()}
-        for fqn, module in list(self.model.named_modules()):
-            if not fqn:
-                continue
-            for override in self.overrides:
-                stand_in = override.replacement(fqn, module)
-                if stand_in is not module:
-                    self.swapped.append((fqn, accessor.swap_submodule(fqn, stand_in)))
-                    break
-        extra = {id(p) for p in self.model.parameters()} - before
-        if extra:
-            self.__exit__(None, None, None)
-            raise TraceError("an Override's stand-in holds parameters the original model does not; reuse the original's")
-        return self
-
-    def __exit__(self, *exc):
-        accessor = NamedMemberAccessor(self.model)
-        for fqn, original in reversed(self.swapped):
-            accessor.swap_submodule(fqn, original)
-        self.swapped.clear()
-        return False
-
-
 def compile(
     *,
     mesh: DeviceMesh,
     plan: Plan,
     lower: str = "inductor",
-    passes: Optional[Sequence[Callable[[fx.GraphModule], Any]]] = None,
+    passes: Union[str, Sequence[Any], None] = "default",
     module_override: Optional[Sequence[Override]] = None,
+    keep_graphs: bool = False,
 ) -> Callable[[Callable[..., Any]], CompiledStep]:
     """Compile a single-device train step into an SPMD program over ``mesh``.
 
@@ -394,15 +305,21 @@ def compile(
         mesh: the ``DeviceMesh`` the plan refers to.
         plan: ``spmd.DDP(...)`` for a 1-D mesh, or ``{mesh_dim_name: style}``.
         lower: ``"inductor"`` (default) or ``"eager"`` (run the expanded fx graph as is).
-        passes: callables applied in order to the expanded local graph.
+        passes: ``"default"`` (``regather_for_backward``, ``bucketing``, ``overlap``; see
+            :mod:`spmd_expand.passes`), or a list of pass names, ``SpmdPass`` objects and callables on
+            the local graph; ``[]`` runs none. ``spmd_expand.passes.default_passes(disable=[...])``
+            drops some by name.
         module_override: :class:`Override` objects that swap untraceable submodules while tracing.
+        keep_graphs: keep a copy of the graph after every pass in ``step.last.passes`` (for
+            ``spmd-expand dump`` and debugging; costs a graph copy per pass).
 
     Raises:
         TraceError, PlanError, UnsupportedOpError, PlacementError, BatchError (uneven or empty local
-        batches, on every rank at once): all subclasses of ``SpmdError``.
+        batches, on every rank at once), PassError (a pass failed, or ``passes`` names an unknown
+        pass): all subclasses of ``SpmdError``.
     """
 
     def wrap(fn: Callable[..., Any]) -> CompiledStep:
-        return CompiledStep(fn, mesh, plan, lower=lower, passes=passes, module_override=module_override)
+        return CompiledStep(fn, mesh, plan, lower=lower, passes=passes, module_override=module_override, keep_graphs=keep_graphs)
 
     return wrap

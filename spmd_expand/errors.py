@@ -18,6 +18,7 @@ __all__ = [
     "PlacementError",
     "PlanError",
     "BatchError",
+    "PassError",
     "user_source_line",
 ]
 
@@ -38,6 +39,11 @@ class BatchError(SpmdError):
     """The ranks' local batches do not form a global batch the plan can split: local batches of
     different shapes across ranks (uneven or empty), or a batch dim the batch tensors do not have.
     Raised on every rank of the mesh at once, before any collective of the step runs."""
+
+
+class PassError(SpmdError):
+    """A graph pass failed: its ``requires`` did not hold, it raised, or its ``ensures`` check failed
+    afterwards; or ``passes=`` named a pass that does not exist. The message names the pass."""
 
 
 class UnsupportedOpError(SpmdError):

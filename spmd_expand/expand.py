@@ -183,6 +183,9 @@ class _Expander:
             meta = {"spmd_redistribute": (src.placements, dst.placements), "stack_trace": node.meta.get("stack_trace")}
             if consumer is not None and "custom" in consumer.meta:
                 meta["custom"] = consumer.meta["custom"]
+            if consumer is not None and consumer.target in (GRADIENT, UNSHARD):
+                # The parameter this redistribution gathers or reduces (for passes: bucketing by block).
+                meta["fqn"] = consumer.args[1]
             self.redistributed[key] = self._inline(sub, [local, mask], meta)
         result = self.redistributed[key]
         if isinstance(result, tuple):  # partitioned to a _MaskPartial: (value, mask)
@@ -372,6 +375,8 @@ def expand(global_gm: fx.GraphModule, cache: Optional[RedistributeCache] = None)
 
     Inputs of the local graph are the local shards of the global graph's inputs, in the same order;
     outputs are local values with the placements propagation asked for (replicated returns are full).
+    Nodes of a redistribution carry ``meta["spmd_redistribute"]`` (source and target placements) and,
+    when it gathers or reduces a parameter (its ``unshard`` or ``gradient`` marker), ``meta["fqn"]``.
     The local graph holds ``torch.ops._c10d_functional`` collectives and runs under torch.distributed.
     """
     return _Expander(global_gm, cache or RedistributeCache()).run()

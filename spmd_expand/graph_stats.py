@@ -12,9 +12,10 @@ import torch.fx as fx
 __all__ = ["COLLECTIVES", "CollectiveStats", "collective_stats", "annotate_local_values", "peak_live_bytes"]
 
 _c10d = torch.ops._c10d_functional
-COLLECTIVES = {
+COLLECTIVES = {  # collective start ops of torch.distributed._functional_collectives -> kind
     _c10d.all_reduce.default: "all_reduce",
     _c10d.all_gather_into_tensor.default: "all_gather",
+    _c10d.all_gather_into_tensor_out.default: "all_gather",  # what a bucketed all-gather becomes
     _c10d.reduce_scatter_tensor.default: "reduce_scatter",
     _c10d.all_to_all_single.default: "all_to_all",
     _c10d.broadcast.default: "broadcast",

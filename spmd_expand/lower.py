@@ -16,7 +16,12 @@ __all__ = ["LOWERINGS", "lower"]
 LOWERINGS = ("inductor", "eager")
 
 
-def lower(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], mode: str) -> Callable[..., list]:
+_OUR_COMM_PASSES = frozenset({"bucketing", "overlap"})
+
+
+def lower(
+    gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], mode: str, ran_passes: frozenset = frozenset()
+) -> Callable[..., list]:
     """Compile ``gm`` for ``example_inputs`` (this rank's local tensors).
 
     ``"inductor"`` runs ``torch._inductor.compile_fx.compile_fx`` (C++/OpenMP on CPU, Triton on CUDA);
@@ -28,6 +33,11 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], mode: str)
     that draws random numbers is compiled with ``torch._inductor.config.fallback_random`` set for this
     compilation only. Inductor then calls the ATen ops and keeps them in program order.
 
+    When our ``bucketing`` or ``overlap`` pass ran (``ran_passes`` names the passes that ran),
+    Inductor's own collective bucketing and compute/communication reordering stay off (they are off
+    by default in torch 2.13; set explicitly so a user's global Inductor config cannot make them run
+    twice), and so does its peak-memory reordering, which would move the collectives back.
+
     Raises:
         SpmdError: an unknown ``mode``.
     """
@@ -37,7 +47,20 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], mode: str)
         from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import compile_fx
 
-        draws = any(draws_random(n) for n in gm.graph.nodes)
-        with inductor_config.patch(fallback_random=True) if draws else contextlib.nullcontext():
+        patches: dict = {}
+        if any(draws_random(n) for n in gm.graph.nodes):
+            patches["fallback_random"] = True
+        if _OUR_COMM_PASSES & set(ran_passes):
+            patches.update(
+                {
+                    "reorder_for_compute_comm_overlap": False,
+                    "reorder_for_peak_memory": False,
+                    "bucket_all_gathers_fx": "none",
+                    "bucket_reduce_scatters_fx": "none",
+                    "bucket_all_reduces_fx": "none",
+                    "aten_distributed_optimizations.enable_overlap_scheduling": False,
+                }
+            )
+        with inductor_config.patch(patches) if patches else contextlib.nullcontext():
             return compile_fx(gm, list(example_inputs))
     raise SpmdError(f"lower={mode!r} is not one of {LOWERINGS}")

@@ -11,7 +11,9 @@ states). For each stage of the pipeline the dump folder gets one text file (form
 ``2-annotated.txt``   the same graph with each node's output placements and the redistributions
                       its inputs need (``%x{P(sum)->R}``); global shapes
 ``3-expanded.txt``    the per-rank graph: collectives spliced in, sizes local; rank 0's local shapes
-``4-passes.txt``      the per-rank graph after the graph passes: what is lowered and runs
+``4-<pass>.txt``      the per-rank graph after each local pass of the pipeline (``4-bucketing.txt``,
+                      ``4-overlap.txt``; order in ``summary.json``'s ``passes``)
+``4-passes.txt``      the per-rank graph after all graph passes: what is lowered and runs
 ``summary.json``      collectives per step (count and bytes by kind), nodes per stage, bytes per rank
 ``graph.html``        a picture of the graph after passes: collectives highlighted, placements on edges
 ====================  ==============================================================================
@@ -50,7 +52,6 @@ from torch.fx.graph import dtype_abbrs
 import spmd_expand as spmd
 
 from ..dsymint import DSymInt, local_strides
-from ..expand import RedistributeCache, expand
 from ..graph_stats import annotate_local_values, collective_stats, peak_live_bytes
 from ..models import MLP, GPTConfig, build_gpt, classification_step, language_model_step
 from ..errors import PlanError
@@ -431,10 +432,14 @@ def graph_dump_nodes(
 # ---------------------------------------------------------------------------------------- the dump
 @dataclass
 class Dump:
-    """Everything a dump writes except the picture: text form per stage name, and the JSON summary."""
+    """Everything a dump writes except the picture: text form per stage name, and the JSON summary.
+
+    ``stages`` lists the stages written, in pipeline order: :data:`STAGES` with one stage per local
+    pass inserted before the last (``pass:<name>``, file ``4-<name>.txt``)."""
 
     texts: dict[str, str]
     summary: dict[str, Any]
+    stages: tuple[Stage, ...] = STAGES
 
 
 def _local_examples(traced_gm: fx.GraphModule) -> list[torch.Tensor]:
@@ -482,7 +487,7 @@ def dump_step(job: Job, plan_name: str, mesh: DeviceMesh, source: str) -> Dump:
     """
     choice = _plan_choice(plan_name, tuple(mesh.shape))
     dim_names = tuple(mesh.mesh_dim_names or choice.mesh_dim_names)
-    compiled = spmd.compile(mesh=mesh, plan=choice.build(job.model), lower="eager")(job.step)
+    compiled = spmd.compile(mesh=mesh, plan=choice.build(job.model), lower="eager", keep_graphs=True)(job.step)
     for _ in range(STEP_CALLS):
         compiled(job.model, job.optimizer, *job.batch)
     artifacts = compiled.last
@@ -491,11 +496,18 @@ def dump_step(job: Job, plan_name: str, mesh: DeviceMesh, source: str) -> Dump:
     roles = list(traced.inputs) + [InputRole("hyperparameter", key=hp.name) for hp in traced.hyperparameters]
     groups = {mesh.get_group(d).group_name: name for d, name in enumerate(dim_names)}
 
-    expanded = expand(traced.graph_module, RedistributeCache())
+    # The pipeline kept every stage: the expanded graph and the graph after each local pass.
+    expanded = artifacts.expanded
     after_passes = artifacts.local_graph
+    local_passes = [r for r in artifacts.passes if r.graph is not None and r.name in {p.name for p in compiled.local_passes}]
     examples = _local_examples(traced.graph_module)
-    for gm in (expanded, after_passes):
+    for gm in (expanded, after_passes, *(r.graph for r in local_passes)):
         annotate_local_values(gm, examples)
+    pass_stages = tuple(
+        Stage(f"pass:{r.name}", f"4-{r.name}.txt", f"per-rank graph after the {r.name!r} pass; local shapes of rank 0")
+        for r in local_passes
+    )
+    stage_list = (*STAGES[:-1], *pass_stages, STAGES[-1])
 
     header = {
         "job": f"{source} plan={plan_name} mesh={_mesh_label(mesh, dim_names)} world_size={mesh.size()} rank=0",
@@ -508,10 +520,11 @@ def dump_step(job: Job, plan_name: str, mesh: DeviceMesh, source: str) -> Dump:
         "annotated": (traced.graph_module, annotated, True, False),
         "expanded": (expanded, _local_placements, False, True),
         "passes": (after_passes, _local_placements, False, True),
+        **{stage.name: (r.graph, _local_placements, False, True) for stage, r in zip(pass_stages, local_passes)},
     }
     texts: dict[str, str] = {}
     stages: dict[str, Any] = {}
-    for stage in STAGES:
+    for stage in stage_list:
         gm, placements, with_edges, is_local = graphs[stage.name]
         nodes = graph_dump_nodes(gm, roles, groups, placements, with_edges)
         stats = collective_stats(gm) if is_local else None
@@ -535,11 +548,12 @@ def dump_step(job: Job, plan_name: str, mesh: DeviceMesh, source: str) -> Dump:
             "step_call": STEP_CALLS,
         },
         "stages": stages,
+        "passes": [{"name": r.name, "modified": r.modified} for r in artifacts.passes],
         "collectives_per_step": stages["passes"]["collectives"],
         "persistent_bytes_per_rank": _persistent_bytes(after_passes, roles),
         "peak_live_bytes_per_rank": peak_live_bytes(after_passes)["peak"],
     }
-    return Dump(texts, summary)
+    return Dump(texts, summary, stage_list)
 
 
 def run_dump(job: Job, plan_name: str, shape: Sequence[int], source: str) -> Dump:
@@ -582,7 +596,7 @@ def write_dump(dump: Dump, out: Path, picture: bool = True) -> list[Path]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for stage in STAGES:
+    for stage in dump.stages:
         write_text_atomic(out / stage.file, dump.texts[stage.name])
         written.append(out / stage.file)
     write_text_atomic(out / "summary.json", json.dumps(dump.summary, indent=2) + "\n")

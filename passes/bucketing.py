@@ -1,0 +1,199 @@
+"""``bucketing``: merge the per-parameter collectives of a step into buckets, as DDP and FSDP2 do.
+
+Expansion emits one collective per parameter: an all-reduce per gradient (DDP), an all-gather per
+parameter and a reduce-scatter per gradient (FSDP). Each costs a launch and a latency; one collective
+over the concatenated bytes costs one. This pass decides *which* collectives go together; the merge
+itself (flatten, concatenate, one collective, split back) is torch Inductor's
+(``torch._inductor.fx_passes.bucketing.merge_{all_reduce,all_gather,reduce_scatter}_bucket``).
+
+Policy (the eager tools it follows):
+
+* **Gradient all-reduces** (DDP): in the order the gradients are *produced* by backward, a first
+  bucket of at most ``first_bucket_cap_mb`` (1 MiB) and then buckets of at most ``bucket_cap_mb``
+  (25 MiB): ``torch.nn.parallel.DistributedDataParallel``'s ``bucket_cap_mb`` and its 1 MiB first
+  bucket, so the first bucket can start while most of backward still runs.
+* **Parameter all-gathers and gradient reduce-scatters** (FSDP): one bucket per block and region
+  (forward, or each backward), as FSDP2 issues one all-gather and one reduce-scatter per
+  ``fully_shard`` module. A block is the parameter FQN up to its first numeric component
+  (``layers.3.attn.q.weight`` -> ``layers.3``: one element of an ``nn.ModuleList``/``Sequential``);
+  parameters outside such lists (embeddings, final norm, head) form the root block.
+* Other collectives (the loss's scalars, tensor-parallel activations) are left alone: they sit on the
+  critical path, and merging them would delay the first.
+
+Only collectives of the same kind, process group, reduce op and dtype are merged, and never two where
+one's input depends on the other's output. The bucket's collective is placed where its last member was
+(the ``overlap`` pass then moves it).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.fx as fx
+from torch._inductor.fx_passes import bucketing as inductor_bucketing
+from torch.fx.passes.infra.pass_base import PassResult
+
+from ..errors import PassError
+from ..graph_stats import COLLECTIVES
+from ..trace import backward_index
+from .manager import SpmdPass
+
+__all__ = ["BucketCollectives", "block_of", "collective_kind"]
+
+c10d = torch.ops._c10d_functional
+
+_MERGE = {
+    "all_reduce": inductor_bucketing.merge_all_reduce_bucket,
+    "all_gather": inductor_bucketing.merge_all_gather_bucket,
+    "reduce_scatter": inductor_bucketing.merge_reduce_scatter_bucket,
+}
+
+# Starts torch's merge functions take (a bucket already merged is an all_gather_into_tensor_out).
+_MERGEABLE = {c10d.all_reduce.default, c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default}
+
+_INDEX = re.compile(r"^\d+$")
+
+
+def collective_kind(node: fx.Node) -> Optional[str]:
+    """The kind of a collective start (``"all_reduce"``, ``"all_gather"``, ...; see
+    :data:`spmd_expand.graph_stats.COLLECTIVES`), or None for any other node."""
+    return COLLECTIVES.get(node.target) if node.op == "call_function" else None
+
+
+def block_of(fqn: str) -> str:
+    """The FQN prefix up to and including its first numeric component, or ``""`` (the root block)."""
+    parts = fqn.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if _INDEX.match(part):
+            return ".".join(parts[: i + 1])
+    return ""
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    node: fx.Node
+    key: tuple
+    order: int  # position the bucket order follows (gradient produced / parameter first needed)
+    nbytes: int
+
+
+def _nbytes(val) -> int:
+    return val.numel() * val.element_size()
+
+
+def _wait_of(node: fx.Node) -> Optional[fx.Node]:
+    users = list(node.users)
+    if len(users) == 1 and users[0].target is c10d.wait_tensor.default:
+        return users[0]
+    return None
+
+
+class BucketCollectives(SpmdPass):
+    """Local pass: merge gradient and parameter collectives into buckets (see the module docstring).
+
+    Args:
+        bucket_cap_mb: largest all-reduce bucket in MiB (DDP's ``bucket_cap_mb``; default 25).
+        first_bucket_cap_mb: largest first all-reduce bucket in MiB (DDP's; default 1).
+
+    Requires ``meta["val"]`` on every collective and its input, and each collective waited by exactly
+    one ``wait_tensor``. Ensures no more collectives than before. A second run finds nothing to merge
+    only if every bucket is already as large as the caps allow; it never splits a bucket.
+    """
+
+    name = "bucketing"
+    stage = "local"
+    run_after = ("regather_for_backward",)
+
+    def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0):
+        super().__init__()
+        self.bucket_cap_mb = bucket_cap_mb
+        self.first_bucket_cap_mb = first_bucket_cap_mb
+
+    def requires(self, gm: fx.GraphModule) -> None:
+        for node in gm.graph.nodes:
+            if collective_kind(node) is None:
+                continue
+            if "val" not in node.meta or "val" not in node.args[0].meta:
+                raise PassError(f"pass 'bucketing' needs meta['val'] on {node.name} and its input")
+            if _wait_of(node) is None:
+                raise PassError(f"pass 'bucketing': {node.name} is not waited by exactly one wait_tensor")
+        self._before = sum(collective_kind(n) is not None for n in gm.graph.nodes)
+
+    def ensures(self, gm: fx.GraphModule) -> None:
+        after = sum(collective_kind(n) is not None for n in gm.graph.nodes)
+        if after > self._before:
+            raise PassError(f"pass 'bucketing' grew the collectives of the step from {self._before} to {after}")
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        buckets = self.buckets(gm)
+        for kind, nodes in buckets:
+            _MERGE[kind](gm.graph, nodes)
+        if buckets:
+            gm.graph.lint()
+            gm.recompile()
+        return PassResult(gm, bool(buckets))
+
+    def buckets(self, gm: fx.GraphModule) -> list[tuple[str, list[fx.Node]]]:
+        """The buckets this pass would merge: ``(kind, collectives in graph order)``, two or more each."""
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        candidates: dict[str, list[_Candidate]] = {}
+        for node in gm.graph.nodes:
+            kind = collective_kind(node)
+            fqn = node.meta.get("fqn")
+            if kind not in _MERGE or fqn is None or node.target not in _MERGEABLE:
+                continue
+            group = node.args[-1]
+            val = node.meta["val"]
+            region = backward_index(node) or 0
+            if kind == "all_reduce":
+                key = (kind, group, node.args[1], val.dtype)
+                position = order[node.args[0]]  # gradient produced
+            elif kind == "reduce_scatter":
+                key = (kind, group, node.args[1], val.dtype, region, block_of(fqn))
+                position = order[node.args[0]]
+            else:  # all_gather: in the order the parameters are first needed
+                key = (kind, group, val.dtype, region, block_of(fqn))
+                position = min(order[u] for u in _wait_of(node).users) if _wait_of(node).users else order[node]
+            nbytes = max(_nbytes(val), _nbytes(node.args[0].meta["val"]))
+            candidates.setdefault(kind, []).append(_Candidate(node, key, position, nbytes))
+
+        result = []
+        for kind, found in candidates.items():
+            found.sort(key=lambda c: c.order)
+            result.extend((kind, sorted(b, key=order.__getitem__)) for b in self._split(kind, found))
+        return result
+
+    def _split(self, kind: str, found: list[_Candidate]) -> list[list[fx.Node]]:
+        """Consecutive candidates of one key, cut at the caps (all-reduce) and at dependencies."""
+        buckets: list[list[fx.Node]] = []
+        current: list[fx.Node] = []
+        key, size, descendants, started = None, 0, set(), 0
+        for c in found:
+            cap = None
+            if kind == "all_reduce":
+                cap = int((self.first_bucket_cap_mb if started <= 1 else self.bucket_cap_mb) * 2**20)
+            full = cap is not None and current and size + c.nbytes > cap
+            if not current or c.key != key or c.node in descendants or full:
+                if len(current) > 1:
+                    buckets.append(current)
+                current, key, size, descendants = [], c.key, 0, set()
+                started += 1
+            current.append(c.node)
+            size += c.nbytes
+            descendants |= _descendants(c.node)
+        if len(current) > 1:
+            buckets.append(current)
+        return buckets
+
+
+def _descendants(node: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        for user in stack.pop().users:
+            if user not in seen:
+                seen.add(user)
+                stack.append(user)
+    return seen

@@ -1,0 +1,201 @@
+"""``overlap``: issue each collective as early as it can go and wait for it as late as it can.
+
+A functional collective is a start (``_c10d_functional.all_reduce`` ...) that returns at once and a
+``wait_tensor`` that blocks until the result is there; whatever runs between the two runs while the
+bytes move. Expansion places both where the value is redistributed, back to back. This pass reorders
+the graph (and only moves collectives, the nodes that exist only to feed them, and waits):
+
+* **wait late**: each ``wait_tensor`` moves to just before the first node that uses its result;
+* **issue early**: each collective start (with the nodes that exist only to feed it: a bucket's
+  flatten/concatenate, a padding) moves to just after the last node it depends on;
+* **bounded prefetch of all-gathers**: an all-gather is not issued before the wait of the all-gather
+  issued before it, so at most two gathered buckets are alive at once: FSDP2's default (prefetch the
+  next block's parameters while the current block computes; Zhao et al., "PyTorch FSDP", VLDB 2023,
+  section 3.3.1 "backward/forward prefetching");
+* no collective moves above a node that writes in place into a graph input (``copy_`` into a
+  parameter or state). Collectives may change their issue order (gradients are reduced in the order
+  backward produces them, not the order the optimizer reads them); every rank runs the same
+  deterministic pass on the same graph, so all ranks issue them in the same order, which is what
+  ``torch.distributed`` requires.
+
+The cost model is the simplest that explains the gain: communication is free while compute runs, so
+the best place for a start is as early as its inputs allow and for a wait as late as its users allow;
+the all-gather bound keeps the memory of FSDP's sharding. torch's own scheduler
+(``torch._inductor.fx_passes.overlap_scheduling.schedule_overlap_bucketing``) estimates compute with
+a GPU roofline (Triton) and collectives with an NCCL model; it does not run on CPU ranks in torch 2.13.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.infra.pass_base import PassResult
+
+from ..errors import PassError
+from .bucketing import collective_kind
+from .manager import SpmdPass
+
+__all__ = ["OverlapCollectives"]
+
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+aten = torch.ops.aten
+
+# Ops that only lay out bytes for a collective (a bucket's flatten/concatenate, a shard's padding):
+# they move with the collective they feed. Compute that only feeds a collective (the last gradient
+# of a bucket) stays where backward put it.
+_LAYOUT_OPS = frozenset(
+    {
+        aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.slice.Tensor,
+        aten.select.int, aten.narrow.default, aten.t.default, aten.permute.default, aten.transpose.int,
+        aten.expand.default, aten.detach.default, aten.alias.default, aten.squeeze.dim,
+        aten.unsqueeze.default, aten.split.Tensor, aten.split_with_sizes.default, aten.cat.default,
+        aten.copy_.default, aten.copy.default, aten.clone.default, aten.contiguous.default,
+        aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default, aten.zeros.default,
+        aten.new_zeros.default, aten.full.default, aten.constant_pad_nd.default, aten._to_copy.default,
+        aten.as_strided.default, aten.flatten.using_ints, aten.chunk.default,
+    }
+)
+
+
+def _lays_out(node: fx.Node) -> bool:
+    target = node.target
+    return target in _LAYOUT_OPS or getattr(target, "namespace", None) == "bucketing"
+
+
+def _aliases_input(node: fx.Node) -> bool:
+    """Whether ``node``'s output is (a view of) a graph input: follows ops whose first return aliases
+    their first argument (views, in-place ops) back to a placeholder."""
+    while node.op == "call_function":
+        schema = getattr(node.target, "_schema", None)
+        if schema is None or not schema.returns or schema.returns[0].alias_info is None or not node.args:
+            return False
+        node = node.args[0]
+        if not isinstance(node, fx.Node):
+            return False
+    return node.op == "placeholder"
+
+
+def _writes_input(node: fx.Node) -> bool:
+    """Whether ``node`` writes in place into a graph input (a parameter or state's ``copy_``)."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.is_mutable:
+        return False
+    for arg, value in zip(schema.arguments, node.args):
+        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node):
+            if value.op == "placeholder" or _aliases_input(value):
+                return True
+    return any(
+        isinstance(node.kwargs.get(arg.name), fx.Node) and _aliases_input(node.kwargs[arg.name])
+        for arg in schema.arguments
+        if arg.alias_info is not None and arg.alias_info.is_write
+    )
+
+
+def _feeders(start: fx.Node) -> list[fx.Node]:
+    """``start`` and the layout nodes that exist only to feed it (all their users are in the set),
+    in graph order."""
+    members = {start}
+    stack = [start]
+    while stack:
+        for arg in stack.pop().all_input_nodes:
+            if (
+                arg not in members
+                and arg.op == "call_function"
+                and _lays_out(arg)
+                and not _writes_input(arg)
+                and collective_kind(arg) is None
+                and arg.target is not WAIT
+                and all(u in members for u in arg.users)
+            ):
+                members.add(arg)
+                stack.append(arg)
+    order = {n: i for i, n in enumerate(start.graph.nodes)}
+    return sorted(members, key=order.__getitem__)
+
+
+class OverlapCollectives(SpmdPass):
+    """Local pass: collectives issued early, waited late (see the module docstring).
+
+    Requires each collective waited by exactly one ``wait_tensor``. Ensures the graph is still in
+    topological order (``graph.lint``) with the same collectives. Collectives may be issued in another
+    order than before: the pass is deterministic and every rank runs it on the same graph, so every
+    rank issues them in the same new order.
+    """
+
+    name = "overlap"
+    stage = "local"
+    run_after = ("bucketing",)
+
+    def requires(self, gm: fx.GraphModule) -> None:
+        for node in gm.graph.nodes:
+            if collective_kind(node) is not None:
+                users = list(node.users)
+                if len(users) != 1 or users[0].target is not WAIT:
+                    raise PassError(f"pass 'overlap': {node.name} is not waited by exactly one wait_tensor")
+        self._collectives = self._collective_names(gm)
+
+    def ensures(self, gm: fx.GraphModule) -> None:
+        gm.graph.lint()
+        if self._collective_names(gm) != self._collectives:
+            raise PassError("pass 'overlap' added or removed collectives; it may only move them")
+
+    @staticmethod
+    def _collective_names(gm: fx.GraphModule) -> set:
+        return {node.name for node in gm.graph.nodes if collective_kind(node) is not None}
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        graph = gm.graph
+        moved = 0
+        # Wait late: just before the first user (nodes that only issue collectives may stay between).
+        issuing = {m for n in graph.nodes if collective_kind(n) is not None for m in _feeders(n)}
+        for wait in [n for n in graph.nodes if n.target is WAIT]:
+            users = list(wait.users)
+            if not users:
+                continue
+            order = {n: i for i, n in enumerate(graph.nodes)}
+            first = min(users, key=order.__getitem__)
+            node = wait.next
+            while node is not first and (node in issuing or node.target is WAIT):
+                node = node.next
+            if node is not first:
+                first.prepend(wait)
+                moved += 1
+        # Issue early, in graph order; all-gathers not before the previous all-gather's wait.
+        starts = [n for n in graph.nodes if collective_kind(n) is not None]
+        previous_gather_wait = None
+        for start in starts:
+            order = {n: i for i, n in enumerate(graph.nodes)}
+            members = _feeders(start)
+            member_set = set(members)
+            anchor = None  # the node the members go right after
+            for m in members:
+                for arg in m.all_input_nodes:
+                    if arg not in member_set and (anchor is None or order[arg] > order[anchor]):
+                        anchor = arg
+            # Never above a node that writes in place into a graph input.
+            for node in graph.nodes:
+                if node is start:
+                    break
+                if _writes_input(node):
+                    if anchor is None or order[node] > order[anchor]:
+                        anchor = node
+            if collective_kind(start) == "all_gather":
+                if previous_gather_wait is not None and (anchor is None or order[previous_gather_wait] > order[anchor]):
+                    anchor = previous_gather_wait
+                previous_gather_wait = next(iter(start.users))
+            if anchor is None:
+                anchor = max(graph.find_nodes(op="placeholder"), key=order.__getitem__, default=None)
+            if anchor is None:
+                continue
+            # Members after the anchor move to right after it, in order (members before it stay).
+            to_move = [m for m in members if order[m] > order[anchor]]
+            if [order[m] for m in to_move] == list(range(order[anchor] + 1, order[anchor] + 1 + len(to_move))):
+                continue  # already there
+            for m in to_move:
+                anchor.append(m)
+                anchor = m
+            moved += 1
+        if moved:
+            graph.lint()
+            gm.recompile()
+        return PassResult(gm, moved > 0)

@@ -1,0 +1,246 @@
+"""Unit tests of the graph passes (spmd_expand.passes) on expanded graphs of small models.
+
+Graphs come from compiling on torch's fake process group (no real ranks; collectives are recorded,
+not run) with ``passes=[]``; each test then runs one pass and checks what it requires, does and
+ensures. That the passes keep results equal to one device is tested on real gloo ranks by the parity
+suites (test_parity, test_training_loops, ...), which compile with the default passes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+from torch.distributed.device_mesh import init_device_mesh
+
+import spmd_expand as spmd
+from spmd_expand.graph_stats import collective_stats
+from spmd_expand.ops import UNSHARD
+from spmd_expand.passes import (
+    DEFAULT_PASSES,
+    BucketCollectives,
+    OverlapCollectives,
+    PassContext,
+    RegatherForBackward,
+    SpmdPass,
+    default_passes,
+    resolve_passes,
+    run_passes,
+)
+from spmd_expand.passes.bucketing import block_of, collective_kind
+from spmd_expand.passes.manager import copy_graph_module
+from spmd_expand.passes.overlap import _feeders
+from spmd_expand.tools.dump import _plan_choice, fake_process_group, gpt_job
+
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+@pytest.fixture(scope="module")
+def world():
+    """A fake process group of 2 ranks for the whole module (bucketing resolves the group's rank)."""
+    with fake_process_group(2):
+        yield
+
+
+def _compile(plan_name: str, passes, world: int = 2, layers: int = 2):
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=_plan_choice(plan_name, (world,)).mesh_dim_names)
+    job = gpt_job(layers)
+    step = spmd.compile(mesh=mesh, plan=_plan_choice(plan_name, (world,)).build(job.model), lower="eager", passes=passes)(job.step)
+    step(job.model, job.optimizer, *job.batch)
+    return step, mesh
+
+
+@pytest.fixture(scope="module")
+def ddp_graph(world):
+    step, mesh = _compile("ddp", [])
+    return step.last.local_graph, PassContext(mesh, step._resolved, step.last.traced)
+
+
+@pytest.fixture(scope="module")
+def fsdp_graph(world):
+    step, mesh = _compile("fsdp", ["regather_for_backward"])
+    return step.last.local_graph, PassContext(mesh, step._resolved, step.last.traced)
+
+
+def _run(p: SpmdPass, graph_and_context):
+    gm, context = graph_and_context
+    return run_passes(copy_graph_module(gm), [p], context)
+
+
+def _position(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(gm.graph.nodes)}
+
+
+def test_block_of():
+    assert block_of("layers.3.attn.q_proj.weight") == "layers.3"
+    assert block_of("encoder.layer.0.output.dense.bias") == "encoder.layer.0"
+    assert block_of("tok_emb.weight") == ""
+    assert block_of("head.0") == ""  # a parameter named by an index is not a block of its own
+
+
+def test_bucketing_ddp_one_bucket_for_small_gradients(ddp_graph):
+    before = collective_stats(ddp_graph[0]).as_dict()["all_reduce"]
+    gm, records = _run(BucketCollectives(), ddp_graph)
+    after = collective_stats(gm).as_dict()["all_reduce"]
+    # 2-layer GPT: 34 gradient all-reduces (28 KB, under the 1 MiB first bucket) become one; the two
+    # scalar all-reduces of the loss stay.
+    assert before["count"] == 36 and after["count"] == 3
+    assert after["bytes"] == before["bytes"]
+    assert records[0].name == "bucketing" and records[0].modified
+    # Idempotent: the bucket is not merged again.
+    again, records = run_passes(gm, [BucketCollectives()], ddp_graph[1])
+    assert not records[0].modified and collective_stats(again).as_dict()["all_reduce"]["count"] == 3
+
+
+def test_bucketing_ddp_caps_follow_production_order(ddp_graph):
+    gm, _ = ddp_graph
+    p = BucketCollectives(bucket_cap_mb=0.004, first_bucket_cap_mb=0.001)
+    buckets = p.buckets(copy_graph_module(gm))
+    sizes = []
+    for kind, nodes in buckets:
+        assert kind == "all_reduce"
+        sizes.append(sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in nodes))
+    assert len(buckets) > 2
+    # The first bucket is capped at first_bucket_cap_mb, the others at bucket_cap_mb (a bucket of one
+    # collective may be larger: it is not merged at all).
+    assert sizes[0] <= 0.001 * 2**20 < max(sizes) <= 0.004 * 2**20
+    # The first bucket holds the gradients backward produces first: the last layers'.
+    first_fqns = {n.meta["fqn"] for n in buckets[0][1]}
+    assert all(not f.startswith("layers.0.") for f in first_fqns), first_fqns
+
+
+def test_bucketing_fsdp_one_gather_and_one_reduce_scatter_per_block(fsdp_graph):
+    before = collective_stats(fsdp_graph[0]).as_dict()
+    gm, _ = _run(BucketCollectives(), fsdp_graph)
+    after = collective_stats(gm).as_dict()
+    assert before["all_gather"]["count"] > 40 and before["reduce_scatter"]["count"] > 30
+    # Blocks: layers.0, layers.1 and the root (embeddings, final norm). Reduce-scatters: one per
+    # block (the root's gradients are produced in two places: the final norm first, the embeddings
+    # last, so they form two buckets). All-gathers: per block in forward and again in backward.
+    assert after["reduce_scatter"]["count"] == 4
+    assert after["all_gather"]["count"] == 7
+    assert after["all_gather"]["bytes"] == before["all_gather"]["bytes"]
+    assert after["reduce_scatter"]["bytes"] == before["reduce_scatter"]["bytes"]
+
+
+def test_overlap_waits_late_and_issues_early(fsdp_graph):
+    bucketed, context = _run(BucketCollectives(), fsdp_graph)
+    gm, records = run_passes(copy_graph_module(bucketed), [OverlapCollectives()], context)
+    assert records[0].modified
+    pos = _position(gm)
+    nodes = list(gm.graph.nodes)
+    issuing = {m for n in nodes if collective_kind(n) for m in _feeders(n)}
+    gathers = []
+    for node in gm.graph.nodes:
+        if node.target is WAIT:
+            # Wait late: nothing but the issue of other collectives between a wait and its first user.
+            first = min(node.users, key=pos.__getitem__)
+            between = nodes[pos[node] + 1 : pos[first]]
+            assert all(n in issuing or n.target is WAIT for n in between), (node.name, between)
+        kind = collective_kind(node)
+        if kind == "all_gather":
+            gathers.append(node)
+    # All-gathers prefetch one block ahead: each is issued after the previous one's wait, and
+    # before that wait's first user has finished its block (it is issued ahead of its own wait).
+    for previous, current in zip(gathers, gathers[1:]):
+        previous_wait = next(iter(previous.users))
+        assert pos[previous_wait] < pos[current] < pos[next(iter(current.users))]
+    # Reduce-scatters start before the end of backward: under the overlap pass the first one is
+    # issued before the last matmul of the step.
+    last_mm = max(pos[n] for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default)
+    first_rs = min(pos[n] for n in gm.graph.nodes if collective_kind(n) == "reduce_scatter")
+    assert first_rs < last_mm
+    before_rs = min(pos_b for n, pos_b in _position(bucketed).items() if collective_kind(n) == "reduce_scatter")
+    assert before_rs > max(i for n, i in _position(bucketed).items() if n.target is torch.ops.aten.mm.default)
+    # A second run finds nothing to move.
+    _, records = run_passes(gm, [OverlapCollectives()], context)
+    assert not records[0].modified
+
+
+def test_overlap_never_moves_a_collective_above_an_in_place_write(ddp_graph):
+    gm, context = ddp_graph
+    bucketed, _ = run_passes(copy_graph_module(gm), [BucketCollectives()], context)
+    out, _ = run_passes(copy_graph_module(bucketed), [OverlapCollectives()], context)
+
+    def writes_before_each_start(graph_module):
+        result, writes = {}, []
+        for n in graph_module.graph.nodes:
+            if n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder":
+                writes.append(n.name)
+            if collective_kind(n):
+                result[n.name] = set(writes)
+        return result
+
+    before, after = writes_before_each_start(bucketed), writes_before_each_start(out)
+    assert before.keys() == after.keys()
+    assert all(before[name] <= after[name] for name in before)
+
+
+def test_regather_adds_markers_once(world):
+    step, mesh = _compile("fsdp", [])
+    traced = step.last.traced
+    gm = copy_graph_module(traced.graph_module)
+    markers = sum(n.target is UNSHARD for n in gm.graph.nodes)
+    out, records = run_passes(gm, [RegatherForBackward()], PassContext(mesh, step._resolved, traced))
+    assert records[0].modified and sum(n.target is UNSHARD for n in out.graph.nodes) > markers
+    again, records = run_passes(out, [RegatherForBackward()], PassContext(mesh, step._resolved, traced))
+    assert not records[0].modified
+
+
+def test_regather_is_a_no_op_without_reshard_after_forward(world):
+    step, mesh = _compile("ddp", [])
+    traced = step.last.traced
+    out, records = run_passes(copy_graph_module(traced.graph_module), [RegatherForBackward()], PassContext(mesh, step._resolved, traced))
+    assert not records[0].modified
+
+
+def test_default_pipeline_records_each_pass(world):
+    step, _ = _compile("fsdp", "default")
+    assert [r.name for r in step.last.passes] == list(DEFAULT_PASSES)
+    assert all(r.seconds >= 0 for r in step.last.passes)
+    assert collective_stats(step.last.expanded).total_count > collective_stats(step.last.local_graph).total_count
+    assert {"trace", "global_passes", "propagate", "expand", "local_passes", "lower"} <= set(step.last.seconds)
+
+
+def test_pass_selection_errors():
+    with pytest.raises(spmd.PassError, match="unknown pass 'bucketting'"):
+        resolve_passes(["bucketting"])
+    with pytest.raises(spmd.PassError, match="more than once"):
+        resolve_passes(["overlap", "overlap"])
+    with pytest.raises(spmd.PassError, match="cannot disable"):
+        default_passes(disable=["nope"])
+    assert default_passes(disable=["overlap"]) == ["regather_for_backward", "bucketing"]
+    global_passes, local_passes = resolve_passes("default")
+    assert [p.name for p in global_passes] == ["regather_for_backward"]
+    assert [p.name for p in local_passes] == ["bucketing", "overlap"]
+
+
+def test_a_failing_pass_is_named(ddp_graph):
+    def broken(gm):
+        raise ValueError("boom")
+
+    with pytest.raises(spmd.PassError, match=r"pass 'broken' failed: ValueError: boom"):
+        _run(resolve_passes([broken])[1][0], ddp_graph)
+
+
+def test_bucketing_requires_fake_values(ddp_graph):
+    gm = copy_graph_module(ddp_graph[0])
+    for node in gm.graph.nodes:
+        node.meta.pop("val", None)
+    with pytest.raises(spmd.PassError, match="bucketing.*meta\\['val'\\]"):
+        run_passes(gm, [BucketCollectives()], ddp_graph[1])
+
+
+def test_a_pass_that_breaks_the_graph_is_caught(ddp_graph):
+    class Unsort(SpmdPass):
+        name = "unsort"
+
+        def call(self, gm):
+            from torch.fx.passes.infra.pass_base import PassResult
+
+            nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+            nodes[0].prepend(nodes[-1])  # a node before its inputs
+            return PassResult(gm, True)
+
+    with pytest.raises(spmd.PassError, match="unsort"):
+        _run(Unsort(), ddp_graph)
