@@ -41,6 +41,11 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-chars", type=int, default=defaults.max_chars)
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--lower", choices=("inductor", "eager"), default=defaults.lower)
+    p.add_argument(
+        "--passes",
+        default=defaults.passes,
+        help='graph passes: "default", "none", or names separated by commas (regather_for_backward,bucketing,overlap)',
+    )
     p.add_argument("--parity-steps", type=int, default=defaults.parity_steps, help="steps replayed on one process (0: skip)")
     p.add_argument("--json", metavar="PATH", help="also write the run summary as JSON")
     p.add_argument("--no-progress", dest="progress", action="store_false")

@@ -52,6 +52,8 @@ class TrainConfig:
     max_chars: int = 1_000_000
     seed: int = 0
     lower: str = "inductor"
+    # "default", "none", or pass names separated by commas (see spmd_expand.passes).
+    passes: str = "default"
     parity_steps: int = 3
     progress: bool = True
 
@@ -83,7 +85,8 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     initial = copy.deepcopy(model)
     optimizer = _optimizer(model, cfg.lr)
     plan = preset(cfg.plan).build(model)
-    step = spmd.compile(mesh=mesh, plan=plan, lower=cfg.lower)(language_model_step)
+    passes = "default" if cfg.passes == "default" else [n for n in cfg.passes.split(",") if n and cfg.passes != "none"]
+    step = spmd.compile(mesh=mesh, plan=plan, lower=cfg.lower, passes=passes)(language_model_step)
     batch_placements = resolve_plan(plan, mesh, model).batch_placements
 
     bar = None

@@ -392,6 +392,6 @@ def run_no_sync(rank: int, world: int, plan: str, steps: int = 2) -> dict:
         "ref_params": {k: v.detach().clone() for k, v in reference.named_parameters()},
         "grads_after": [p.grad is None for p in model.parameters()],
         "grads_between": grads_between,
-        "accumulate_collectives": collective_stats(accumulate.last.local_graph).as_dict(),
-        "update_collectives": collective_stats(update.last.local_graph).as_dict(),
+        "accumulate_collectives": collective_stats(accumulate.last.expanded).as_dict(),  # before bucketing
+        "update_collectives": collective_stats(update.last.expanded).as_dict(),
     }

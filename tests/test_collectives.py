@@ -1,4 +1,5 @@
-"""Collectives in the expanded local graph of DDP steps (fake 4-rank mesh; graphs only, no numerics).
+"""Collectives in the expanded local graph of DDP steps, as expansion emits them (``passes=[]``; the
+passes are tested in test_passes.py) (fake 4-rank mesh; graphs only, no numerics).
 
 DDP's contract: each gradient is all-reduced exactly once per step, where the optimizer reads it, no
 matter how many micro-batches accumulate into it or how many optimizer ops read it; the batch is never
@@ -36,7 +37,7 @@ def compile_and_run(mesh, fn, make_optimizer, calls=1):
     torch.manual_seed(0)
     model = MLP()
     optimizer = make_optimizer(model.parameters())
-    step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(fn)
+    step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager", passes=[])(fn)
     x, y = torch.randn(B_LOCAL, 16), torch.randint(0, 4, (B_LOCAL,))
     graphs = []
     for _ in range(calls):
@@ -246,7 +247,7 @@ def simulated_ddp_step(mesh, fn, x, y):
     reference.load_state_dict(initial)
     ref_loss = fn(reference, sgd(reference.parameters()), x, y).detach()
 
-    step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(fn)
+    step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager", passes=[])(fn)
     n = x.shape[0] // world
     optimizer = sgd(model.parameters())
     step(model, optimizer, x[:n], y[:n])

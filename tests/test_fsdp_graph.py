@@ -1,4 +1,5 @@
-"""FSDP's expanded graph on the fake process group (W=4): which collectives, how many, on what."""
+"""FSDP's expanded graph on the fake process group (W=4): which collectives, how many, on what (as
+expansion and the regather pass emit them; bucketing and overlap are tested in test_passes.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ PARAMS = {"fc1.weight": (32, 16), "fc1.bias": (32,), "fc2.weight": (4, 32), "fc2
 def compiled(mesh, plan, step_fn=cases.cross_entropy_step, model=None):
     model = model or MLP()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    step = spmd.compile(mesh=mesh, plan=plan, lower="eager")(step_fn)
+    step = spmd.compile(mesh=mesh, plan=plan, lower="eager", passes=["regather_for_backward"])(step_fn)
     for _ in range(2):  # the second call is the steady-state graph (optimizer state exists)
         step(model, optimizer, torch.randn(4, 16), torch.randint(0, 4, (4,)))
     return step, model, optimizer

@@ -1,5 +1,6 @@
-"""Golden graphs: the expanded per-rank graph of each canonical case, one text file a case in
-``golden_graphs/``, compared with expecttest semantics.
+"""Golden graphs: the expanded per-rank graph of each canonical case (and, for some, the graph after the
+default passes: ``<case>-passes.txt``), one text file a case in ``golden_graphs/``, compared with
+expecttest semantics.
 
 ``EXPECTTEST_ACCEPT=1 make test`` rewrites the files that differ (atomically: a temporary file and
 ``os.replace``); otherwise a difference fails with ``spmd-expand diff``'s report. A golden file is what
@@ -35,7 +36,8 @@ class GoldenCase:
 
     @property
     def name(self) -> str:
-        return f"{self.model}-{self.plan}-w{self.mesh}"
+        suffix = "" if self.stage == "expanded" else f"-{self.stage}"
+        return f"{self.model}-{self.plan}-w{self.mesh}{suffix}"
 
 
 CASES = [
@@ -48,6 +50,11 @@ CASES = [
     GoldenCase("gpt", "tp", "2"),
     GoldenCase("mlp", "fsdp+tp", "2x2"),
     GoldenCase("gpt", "hsdp", "2x2"),
+    # After the default passes (bucketing, overlap): what is lowered.
+    GoldenCase("gpt", "ddp", "2", stage="passes"),
+    GoldenCase("gpt", "fsdp", "2", stage="passes"),
+    GoldenCase("gpt", "tp", "2", stage="passes"),
+    GoldenCase("mlp", "fsdp+tp", "2x2", stage="passes"),
 ]
 
 

@@ -24,7 +24,8 @@ from spmd_expand.cli import main
 from spmd_expand.graph_stats import collective_stats
 
 TESTS = Path(__file__).resolve().parent
-DUMP_FILES = sorted([s.file for s in STAGES] + ["summary.json", "graph.html"])
+# The default pipeline's local passes each write their graph too.
+DUMP_FILES = sorted([s.file for s in STAGES] + ["4-bucketing.txt", "4-overlap.txt", "summary.json", "graph.html"])
 
 
 @pytest.fixture(scope="module")
