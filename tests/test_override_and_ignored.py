@@ -100,8 +100,9 @@ def test_ddp_ignored_modules_are_not_reduced(fake_mesh):
     compiled(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 16), torch.randint(0, 4, (2,)))
     reduced = sorted(
         tuple(n.meta["val"].shape)
-        for n in compiled.last.local_graph.graph.nodes
+        for n in compiled.last.expanded.graph.nodes
         if n.target is C10D.all_reduce.default and n.meta["val"].dim() > 0
     )
-    # Only fc2's weight (4, 32) and bias (4,) are all-reduced; fc1's gradients stay rank-local.
+    # Only fc2's weight (4, 32) and bias (4,) are all-reduced (before bucketing); fc1's gradients stay
+    # rank-local.
     assert reduced == [(4,), (4, 32)]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.fx as fx
-from torch.distributed.device_mesh import init_device_mesh
 
 import spmd_expand as spmd
 from spmd_expand.graph_stats import collective_stats
@@ -30,35 +29,34 @@ from spmd_expand.passes import (
 from spmd_expand.passes.bucketing import block_of, collective_kind
 from spmd_expand.passes.manager import copy_graph_module
 from spmd_expand.passes.overlap import _feeders
-from spmd_expand.tools.dump import _plan_choice, fake_process_group, gpt_job
+from spmd_expand.tools.dump import gpt_job
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 @pytest.fixture(scope="module")
-def world():
-    """A fake process group of 2 ranks for the whole module (bucketing resolves the group's rank)."""
-    with fake_process_group(2):
-        yield
+def world(fake_mesh):
+    """The session's fake process group (4 ranks; bucketing resolves the group's rank)."""
+    return fake_mesh
 
 
-def _compile(plan_name: str, passes, world: int = 2, layers: int = 2):
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=_plan_choice(plan_name, (world,)).mesh_dim_names)
+def _compile(plan_name: str, passes, mesh, layers: int = 2):
     job = gpt_job(layers)
-    step = spmd.compile(mesh=mesh, plan=_plan_choice(plan_name, (world,)).build(job.model), lower="eager", passes=passes)(job.step)
+    plan = spmd.DDP() if plan_name == "ddp" else spmd.FSDP()
+    step = spmd.compile(mesh=mesh, plan=plan, lower="eager", passes=passes)(job.step)
     step(job.model, job.optimizer, *job.batch)
     return step, mesh
 
 
 @pytest.fixture(scope="module")
 def ddp_graph(world):
-    step, mesh = _compile("ddp", [])
+    step, mesh = _compile("ddp", [], world)
     return step.last.local_graph, PassContext(mesh, step._resolved, step.last.traced)
 
 
 @pytest.fixture(scope="module")
 def fsdp_graph(world):
-    step, mesh = _compile("fsdp", ["regather_for_backward"])
+    step, mesh = _compile("fsdp", ["regather_for_backward"], world)
     return step.last.local_graph, PassContext(mesh, step._resolved, step.last.traced)
 
 
@@ -177,7 +175,7 @@ def test_overlap_never_moves_a_collective_above_an_in_place_write(ddp_graph):
 
 
 def test_regather_adds_markers_once(world):
-    step, mesh = _compile("fsdp", [])
+    step, mesh = _compile("fsdp", [], world)
     traced = step.last.traced
     gm = copy_graph_module(traced.graph_module)
     markers = sum(n.target is UNSHARD for n in gm.graph.nodes)
@@ -188,14 +186,14 @@ def test_regather_adds_markers_once(world):
 
 
 def test_regather_is_a_no_op_without_reshard_after_forward(world):
-    step, mesh = _compile("ddp", [])
+    step, mesh = _compile("ddp", [], world)
     traced = step.last.traced
     out, records = run_passes(copy_graph_module(traced.graph_module), [RegatherForBackward()], PassContext(mesh, step._resolved, traced))
     assert not records[0].modified
 
 
 def test_default_pipeline_records_each_pass(world):
-    step, _ = _compile("fsdp", "default")
+    step, _ = _compile("fsdp", "default", world)
     assert [r.name for r in step.last.passes] == list(DEFAULT_PASSES)
     assert all(r.seconds >= 0 for r in step.last.passes)
     assert collective_stats(step.last.expanded).total_count > collective_stats(step.last.local_graph).total_count

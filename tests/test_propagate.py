@@ -135,7 +135,7 @@ def test_view_with_batch_size_keeps_batch_sharded(flat):
 
 def test_view_sizes_are_local_in_expanded_graph(flat):
     # The same view in the local graph takes rank 0's local batch size, not the global one.
-    views = [n for n in flat.local_graph.graph.nodes if n.op == "call_function" and n.target is aten.view.default
+    views = [n for n in flat.expanded.graph.nodes if n.op == "call_function" and n.target is aten.view.default
              and len(n.args[1]) == 2 and n.args[1][1] == 16]
     assert [list(n.args[1]) for n in views] == [[B_LOCAL, 16]]
 
