@@ -144,10 +144,15 @@ class _Propagator:
         model = NodeCost(node, self.batch)
         if not model.batch_dims or model.keeps_batch(output):
             return NodeSharding(inputs=tuple(wanted), output=output)
+        # DTensor's choice leaves the batch: choose again among its strategies by cost, then try the
+        # replicated inputs split on the batch.
+        wanted, output = self._dtensor_place(node, current, by_cost=True)
+        if model.keeps_batch(output):
+            return NodeSharding(inputs=tuple(wanted), output=output)
         relaid = self._batch_split_inputs(node)
         if relaid:
             try:
-                alt_wanted, alt_output = self._dtensor_place(node, current, relaid)
+                alt_wanted, alt_output = self._dtensor_place(node, current, relaid, by_cost=True)
             except (UnsupportedOpError, PlacementError):
                 alt_wanted = None
             if (
@@ -177,14 +182,17 @@ class _Propagator:
                 relaid[a] = spec_with_meta(self.mesh, placements, spec.tensor_meta)
         return relaid
 
-    def _dtensor_place(self, node: fx.Node, current: list, relaid: Optional[dict] = None) -> tuple[list, Any]:
-        """(input specs wanted, output spec) from DTensor, with ``relaid`` inputs (see schema_args)."""
+    def _dtensor_place(
+        self, node: fx.Node, current: list, relaid: Optional[dict] = None, by_cost: bool = False
+    ) -> tuple[list, Any]:
+        """(input specs wanted, output spec) from DTensor, with ``relaid`` inputs (see schema_args);
+        ``by_cost``: DTensor's strategy is chosen by :func:`spmd_expand.cost.choosing_by_cost`."""
         op = node.target
         args, kwargs = self.schema_args(node, relaid)
         schema_info = self.dtensor.op_to_schema_info.get(op) or self.dtensor.op_to_schema_info_for_single_dim_strategy.get(op)
         schema = OpSchema(op, args, kwargs, schema_info=schema_info)
         try:
-            if self.batch and isinstance(node, fx.Node):
+            if by_cost:
                 # Not the cached entry point: the choice depends on this node (its batch dims, FLOPs).
                 with choosing_by_cost(node, self.batch):
                     sharding = self.dtensor.propagate_op_sharding_non_cached(schema)

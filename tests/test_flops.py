@@ -60,7 +60,7 @@ def _cnn():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
     batch_norm_cases._create_states(optimizer)
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(4 * W, 3, 16, 16, generator=g), torch.randint(0, 10, (4 * W,), generator=g)
+    x, y = torch.randn(8 * W, 3, 16, 16, generator=g), torch.randint(0, 10, (8 * W,), generator=g)
     return model, optimizer, (x, y), batch_norm_cases.train_step, lambda m: F.cross_entropy(m(x), y).backward()
 
 
@@ -112,7 +112,7 @@ def test_flops_per_rank_are_one_over_world(fake_mesh, case, plan):
 def test_resnet_convolutions_run_on_the_local_batch(fake_mesh):
     """Every convolution (forward and backward) of the DDP ResNet reads this rank's rows only."""
     step, _ = _compile(fake_mesh, "resnet_bn", "ddp")
-    local_batch = 4
+    local_batch = 8
     convs = [
         n for n in step.last.local_graph.graph.nodes
         if n.op == "call_function" and n.target in (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
