@@ -2,7 +2,7 @@
 
 DTensor's sharding propagator (``propagate_op_sharding_non_cached`` in
 ``torch/distributed/tensor/_sharding_prop.py``) expands an op's strategies into an ``OpStrategy``: one
-``OpSpec`` per candidate (input specs, output specs, and ``redistribute_cost``, the cost of moving each
+``OpSpec`` per candidate (input specs, output specs, and ``redistribute_cost`` (``_op_schema.py``), the cost of moving each
 current input to the candidate's input spec, from ``generate_redistribute_costs`` in
 ``torch/distributed/tensor/_ops/utils.py`` / ``redistribute_cost`` in ``_collective_utils.py``: an
 alpha-beta model of ring collectives in microseconds, with NVLink-class bandwidth). It then keeps the
@@ -12,30 +12,49 @@ BatchNorm has no batch-sharded strategy, DTensor may all-gather its input to ``R
 after it then takes its replicated input as is (no redistribution is cheapest), so convolutions run on
 the *global* batch on every rank.
 
-:func:`choosing_by_cost` wraps that one selection step (DTensor still builds the strategies, costs the
-redistributions and writes the suggested input specs) with this cost model::
+:mod:`spmd_expand.propagate` keeps DTensor doing the propagation and changes only which of its answers
+is taken, with this cost model (per op, in microseconds)::
 
-    cost(candidate) = redistribute_cost(candidate)                        # DTensor's, microseconds
-                    + compute_us(op) / (ranks that split the op's main output under the candidate)
-    compute_us(op)  = FLOPs(op) / PEAK_FLOPS_PER_US + bytes(op's global inputs and outputs) / MEMORY_BYTES_PER_US
+    cost = sum of redistribute_cost(current input spec, wanted input spec)   # DTensor's own estimate
+         + compute_us(op) / (ranks that split the op's main output)
+    compute_us(op) = FLOPs(op) / PEAK_FLOPS_PER_US + bytes(op's global inputs and outputs) / MEMORY_BYTES_PER_US
 
-FLOPs come from torch's flop registry (``torch.utils.flop_counter.flop_registry``; matmuls,
+FLOPs come from torch's flop registry (``torch.utils.flop_counter.flop_registry``: matmuls,
 convolutions, attention); every op also pays for the bytes it reads and writes, so pointwise and
 normalization ops have a cost too. A mesh dim splits the work when the main output (the largest one)
 is not ``Replicate`` on it (``Shard``: each rank computes its rows; ``Partial``: each rank reduces its
-part of the contraction).
+part of the contraction). The constants are one accelerator of the class DTensor's communication
+model assumes.
 
-The candidates compared are DTensor's own choice and the candidates that keep the *data-parallel
-layout*: the main output sharded on a batch dim on each mesh dim the plan shards the batch over. A
-batch dim is a dim whose (symbolic) global size derives from a size of a graph input that the plan
-shards on that mesh dim (the global graph is traced with symbolic batch sizes). So a replicated
-activation under DDP is split back onto the batch for free (``Replicate -> Shard`` is a local
-chunk) by the first op after it that can be, and an op whose DTensor choice already keeps the batch
-layout, or that has no batch dim, or that runs under a plan that does not shard the batch (tensor
-parallel), keeps DTensor's choice. Leaving the other candidates out matters: a free split on a
-non-batch dim is cheap for the op but costs a collective later (e.g. before a tensor-parallel linear),
-which a node-by-node choice cannot see; the batch layout is the one the plan's inputs and gradient
-reductions are built for. Ties keep DTensor's choice.
+It applies only where DTensor's choice leaves the *data-parallel layout*: the main output is not
+sharded on a batch dim on every mesh dim the plan shards the batch over. A batch dim is a dim whose
+(symbolic) global size derives from a size of a graph input the plan shards on that mesh dim (the
+global graph is traced with symbolic batch sizes; :class:`BatchSymbols`). There, two things are tried,
+each kept only if it restores the batch layout at a lower cost:
+
+1. **DTensor's strategies, chosen by cost.** :func:`choosing_by_cost` swaps DTensor's
+   ``_select_min_cost_strategy`` for one call of ``propagate_op_sharding_non_cached``: DTensor still
+   builds the ``OpStrategy``, costs each candidate's redistribution (``OpSpec.redistribute_cost``) and
+   writes the suggested input specs; among its own choice and the candidates that keep the batch
+   layout, the cheapest by the model above is taken.
+2. **The replicated inputs split on the batch.** DTensor's pointwise and follow-the-input strategies
+   (and rules such as ``convolution``'s) only offer the placements of the inputs they get: a
+   replicated activation stays replicated, and every op after it computes the global batch on every
+   rank. Splitting a replicated input on its batch dim is a local chunk (``Replicate -> Shard``, no
+   communication), so propagation asks DTensor again with those inputs ``Shard(batch dim)`` and
+   takes that answer if it keeps the batch layout and costs less (it always computes less).
+
+Everything else keeps DTensor's choice: an op with no batch dim, one whose DTensor choice already
+keeps the batch layout, every op of a plan that does not shard the batch (tensor parallel). Limiting
+the alternatives to the batch layout matters: a free split on another dim is cheap for the op but
+costs a collective later (e.g. before a tensor-parallel linear), which a node-by-node choice cannot
+see; the batch layout is the one the plan's inputs and gradient reductions are built for. Ties keep
+DTensor's choice.
+
+Example: BatchNorm has no batch-sharded strategy in DTensor (``batch_norm_strategy`` in
+``_ops/_math_ops.py``: replicated or channel-sharded). On small activations DTensor all-gathers its
+input to ``Replicate`` (cheaper than the all-to-all to channels by its model); the ``relu`` after it
+is then split back onto the batch by (2), and the convolutions after it run on the local batch.
 """
 
 from __future__ import annotations
