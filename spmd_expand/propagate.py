@@ -6,8 +6,10 @@ tensors get a :class:`~spmd_expand.dsymint.DSymInt` instead; floats computed fro
 (learning rates, ...) get their example value and stay run-time values in the local graph.
 
 Rules are looked up in DTensor's own sharding propagator (``DTensor._op_dispatcher.sharding_propagator``,
-the one eager DTensor uses), which also picks the redistribution of inputs an op needs. Only where
-torch has no rule does :mod:`spmd_expand.rules` decide.
+the one eager DTensor uses), which also picks the redistribution of inputs an op needs. Where DTensor
+offers several strategies, the choice weighs compute per rank as well as communication, and keeps the
+batch sharded where that is cheaper (:mod:`spmd_expand.cost`). Only where torch has no rule does
+:mod:`spmd_expand.rules` decide.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema
 
 from . import rules
+from .cost import BatchSymbols, NodeCost, choosing_by_cost
 from .dsymint import SYM_ARITHMETIC, SYM_SOURCE_OPS, DSymInt, apply_arithmetic, from_size_node
 from .errors import PlacementError, UnsupportedOpError, node_error
 from .spec import AS_PRODUCED, NodeSharding, concrete, local_shape, replicate, spec_with_meta, tensor_meta, tensor_spec
@@ -51,6 +54,7 @@ class _Propagator:
         self.input_placements = input_placements
         self.output_placements = output_placements
         self.dtensor = DTensor._op_dispatcher.sharding_propagator
+        self.batch = BatchSymbols()
 
     def output_of(self, node: fx.Node) -> Any:
         return node.meta["spmd"].output
@@ -62,7 +66,9 @@ class _Propagator:
                 # A hyperparameter input (possibly specialized to a constant by a guard).
                 node.meta["spmd"] = NodeSharding(output=concrete(node.meta["val"]))
             elif node.op == "placeholder":
-                node.meta["spmd"] = NodeSharding(output=tensor_spec(self.mesh, next(placeholders), node.meta["val"]))
+                placements = next(placeholders)
+                self.batch.add_input(node.meta["val"], placements)
+                node.meta["spmd"] = NodeSharding(output=tensor_spec(self.mesh, placements, node.meta["val"]))
             elif node.op == "get_attr":
                 val = getattr(self.traced.graph_module, node.target)
                 # A constant: a tensor (replicated), or an object such as a torch.Generator passed to a random op.
@@ -111,25 +117,87 @@ class _Propagator:
                 return result
         return self.dtensor_rule(node)
 
-    def schema_args(self, node: fx.Node) -> tuple[tuple, dict]:
-        """(args, kwargs) for DTensor's OpSchema: specs for tensors, global ints for DSymInts."""
+    def schema_args(self, node: fx.Node, relaid: Optional[dict] = None) -> tuple[tuple, dict]:
+        """(args, kwargs) for DTensor's OpSchema: specs for tensors, global ints for DSymInts.
+
+        ``relaid`` maps input nodes to the specs to use instead of their outputs' (a what-if layout).
+        """
+        relaid = relaid or {}
 
         def convert(a: Any) -> Any:
             if isinstance(a, fx.Node):
-                out = self.output_of(a)
+                out = relaid.get(a, self.output_of(a))
                 return out.global_value if isinstance(out, DSymInt) else out
             return a
 
         return pytree.tree_map(convert, (tuple(node.args), dict(node.kwargs)))
 
     def dtensor_rule(self, node: fx.Node) -> NodeSharding:
+        """DTensor's placement for ``node``; under a plan that shards the batch, compared by cost
+        (communication + compute per rank, :mod:`spmd_expand.cost`) with the placement DTensor gives
+        when this node's replicated inputs are split on their batch dims (a local chunk, no
+        communication). DTensor's own choice among its strategies is made by the same cost model."""
+        current = self.input_specs(node)
+        wanted, output = self._dtensor_place(node, current)
+        if not self.batch or not isinstance(node, fx.Node):
+            return NodeSharding(inputs=tuple(wanted), output=output)
+        model = NodeCost(node, self.batch)
+        if not model.batch_dims or model.keeps_batch(output):
+            return NodeSharding(inputs=tuple(wanted), output=output)
+        # DTensor's choice leaves the batch: choose again among its strategies by cost, then try the
+        # replicated inputs split on the batch.
+        wanted, output = self._dtensor_place(node, current, by_cost=True)
+        if model.keeps_batch(output):
+            return NodeSharding(inputs=tuple(wanted), output=output)
+        relaid = self._batch_split_inputs(node)
+        if relaid:
+            try:
+                alt_wanted, alt_output = self._dtensor_place(node, current, relaid, by_cost=True)
+            except (UnsupportedOpError, PlacementError):
+                alt_wanted = None
+            if (
+                alt_wanted is not None
+                and model.keeps_batch(alt_output)
+                and model.cost(current, alt_wanted, alt_output) < model.cost(current, wanted, output)
+            ):
+                return NodeSharding(inputs=tuple(alt_wanted), output=alt_output)
+        return NodeSharding(inputs=tuple(wanted), output=output)
+
+    def _batch_split_inputs(self, node: fx.Node) -> dict:
+        """Input node -> its spec split on a batch dim on each batch mesh dim where it is replicated."""
+        relaid = {}
+        for a in pytree.tree_leaves((node.args, node.kwargs), is_leaf=lambda x: isinstance(x, fx.Node)):
+            if not isinstance(a, fx.Node) or a in relaid:
+                continue
+            spec = self.output_of(a)
+            if not isinstance(spec, DTensorSpec):
+                continue
+            placements = list(spec.placements)
+            for m, dims in self.batch.dims_of(a.meta.get("val")).items():
+                if isinstance(placements[m], Replicate) and not any(
+                    isinstance(p, Shard) and p.dim == min(dims) for p in placements
+                ):
+                    placements[m] = Shard(min(dims))
+            if tuple(placements) != tuple(spec.placements):
+                relaid[a] = spec_with_meta(self.mesh, placements, spec.tensor_meta)
+        return relaid
+
+    def _dtensor_place(
+        self, node: fx.Node, current: list, relaid: Optional[dict] = None, by_cost: bool = False
+    ) -> tuple[list, Any]:
+        """(input specs wanted, output spec) from DTensor, with ``relaid`` inputs (see schema_args);
+        ``by_cost``: DTensor's strategy is chosen by :func:`spmd_expand.cost.choosing_by_cost`."""
         op = node.target
-        args, kwargs = self.schema_args(node)
+        args, kwargs = self.schema_args(node, relaid)
         schema_info = self.dtensor.op_to_schema_info.get(op) or self.dtensor.op_to_schema_info_for_single_dim_strategy.get(op)
         schema = OpSchema(op, args, kwargs, schema_info=schema_info)
-        current = self.input_specs(node)
         try:
-            sharding = self.dtensor.propagate_op_sharding(schema)
+            if by_cost:
+                # Not the cached entry point: the choice depends on this node (its batch dims, FLOPs).
+                with choosing_by_cost(node, self.batch):
+                    sharding = self.dtensor.propagate_op_sharding_non_cached(schema)
+            else:
+                sharding = self.dtensor.propagate_op_sharding(schema)
         except NotImplementedError as e:
             raise node_error(
                 UnsupportedOpError,
@@ -160,9 +228,12 @@ class _Propagator:
                 spec_with_meta(self.mesh, w.placements, c.tensor_meta) if w is not None and w.tensor_meta is None else w
                 for w, c in zip(wanted, current)
             ]
+        elif relaid:
+            leaves, _ = pytree.tree_flatten((args, kwargs))
+            wanted = [w if cur is not None else None for w, cur in zip(leaves, current)]
         else:
             wanted = current
-        return NodeSharding(inputs=tuple(wanted), output=_with_meta(sharding.output_spec, node.meta.get("val"), self.mesh))
+        return wanted, _with_meta(sharding.output_spec, node.meta.get("val"), self.mesh)
 
 
 def propagate(
