@@ -31,8 +31,8 @@ from torch.nn.utils import stateless
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import spmd_expand as spmd
-from spmd_expand.models import GPTConfig, build_gpt
-from spmd_expand.models import language_model_step as step
+from spmd_expand.app.models import GPTConfig, build_gpt
+from spmd_expand.app.models import language_model_step as step
 
 WORLD = 8
 BATCH, BLOCK = 16, 32

@@ -29,8 +29,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import spmd_expand as spmd
 from spmd_expand.graph_stats import annotate_local_values, peak_live_bytes
-from spmd_expand.models import GPTConfig, build_gpt
-from spmd_expand.models import language_model_step as step
+from spmd_expand.app.models import GPTConfig, build_gpt
+from spmd_expand.app.models import language_model_step as step
 
 C10D = torch.ops._c10d_functional
 BATCH, BLOCK = 16, 32

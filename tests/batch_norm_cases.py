@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import spmd_expand as spmd
-from spmd_expand.data import shard
+from spmd_expand.app.data import shard
 from spmd_expand.graph_stats import collective_stats
 
 GLOBAL_BATCH = 8

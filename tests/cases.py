@@ -1,7 +1,7 @@
 """Train-step cases shared by the parity tests: model, optimizer, batch and step, all deterministic.
 
 Each case runs once on one device over the global batch (the reference) and once compiled on W
-ranks, each with its shard of that batch; ``run_cases`` (a worker for ``spmd_expand.launch.run_local``)
+ranks, each with its shard of that batch; ``run_cases`` (a worker for ``spmd_expand.app.launch.run_local``)
 returns both so the test process can compare them.
 """
 
@@ -18,10 +18,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import spmd_expand as spmd
-from spmd_expand.data import shard
+from spmd_expand.app.data import shard
 from spmd_expand.plans import resolve_plan
 from spmd_expand.spec import local_slice
-from spmd_expand.models import MLP, GPTConfig, build_gpt, classification_step, language_model_step
+from spmd_expand.app.models import MLP, GPTConfig, build_gpt, classification_step, language_model_step
 
 GLOBAL_BATCH = 8
 

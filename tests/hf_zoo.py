@@ -7,7 +7,7 @@ tracing time grows with depth, and what repeats per layer is covered by the GPT 
 ``out.loss.backward()``, ``optimizer.step()``, ``optimizer.zero_grad()``, return ``out.loss``), trained
 with AdamW at lr 1e-3.
 
-``run_zoo`` is a worker for :func:`spmd_expand.launch.run_local`: on every rank it runs each
+``run_zoo`` is a worker for :func:`spmd_expand.app.launch.run_local`: on every rank it runs each
 (model, plan, lowering) through :func:`cases.run_case` (the single-device reference over the global
 batch and the compiled step over this rank's shard of it) and returns both for the test to compare.
 """

@@ -3,7 +3,7 @@
 Each scenario trains a compiled copy and a reference copy of the same model for several steps, doing
 the same thing to both between steps (an LR scheduler step, a hyperparameter change, ``train()`` /
 ``eval()``, freezing, a new optimizer, ...), and returns both sets of results for the test process to
-compare. ``run_scenarios`` is the worker for ``spmd_expand.launch.run_local``.
+compare. ``run_scenarios`` is the worker for ``spmd_expand.app.launch.run_local``.
 """
 
 from __future__ import annotations

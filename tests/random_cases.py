@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import spmd_expand as spmd
-from spmd_expand.models import GPTConfig, build_gpt, classification_step, language_model_step
+from spmd_expand.app.models import GPTConfig, build_gpt, classification_step, language_model_step
 from spmd_expand.plans import resolve_plan
 from spmd_expand.spec import local_slice
 
@@ -31,7 +31,7 @@ SEED = 1234
 
 
 class DropoutMLP(nn.Module):
-    """``fc1`` -> ReLU -> dropout -> ``fc2`` (names match :meth:`spmd_expand.models.MLP.tensor_parallel_plan`)."""
+    """``fc1`` -> ReLU -> dropout -> ``fc2`` (names match :meth:`spmd_expand.app.models.MLP.tensor_parallel_plan`)."""
 
     def __init__(self, p: float = 0.3) -> None:
         super().__init__()

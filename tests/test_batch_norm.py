@@ -15,7 +15,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import batch_norm_cases
 import spmd_expand as spmd
-from spmd_expand.launch import run_local
+from spmd_expand.app.launch import run_local
 
 RTOL, ATOL = 1e-4, 1e-5
 WORLD = 2

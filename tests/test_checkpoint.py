@@ -7,7 +7,7 @@ import torch
 
 import cases
 import checkpoint_workers as w
-from spmd_expand.launch import run_local
+from spmd_expand.app.launch import run_local
 
 
 @pytest.fixture(scope="module")

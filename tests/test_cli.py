@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from spmd_expand.cli import main
+from spmd_expand.app.cli import main
 
 
 def test_train_fsdp_reports_parity(tmp_path, capsys):

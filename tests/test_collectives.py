@@ -17,7 +17,7 @@ import torch.fx as fx
 
 import cases
 import spmd_expand as spmd
-from spmd_expand.models import MLP
+from spmd_expand.app.models import MLP
 
 C10D = torch.ops._c10d_functional
 aten = torch.ops.aten

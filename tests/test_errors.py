@@ -19,7 +19,7 @@ from torch.distributed.tensor._op_schema import OpSchema
 
 import cases
 import spmd_expand as spmd
-from spmd_expand.models import MLP
+from spmd_expand.app.models import MLP
 
 aten = torch.ops.aten
 

@@ -28,7 +28,7 @@ import cases
 import spmd_expand as spmd
 from conftest import FAKE_WORLD_SIZE as W
 from spmd_expand.graph_stats import collective_stats
-from spmd_expand.models import build_gpt, language_model_step
+from spmd_expand.app.models import build_gpt, language_model_step
 from spmd_expand.spec import concrete
 
 TOLERANCE = 1.15  # a rank may do at most 1.15/W of the single-device FLOPs

@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import cases
 import spmd_expand as spmd
-from spmd_expand.models import MLP
+from spmd_expand.app.models import MLP
 
 C10D = torch.ops._c10d_functional
 PARAMS = {"fc1.weight": (32, 16), "fc1.bias": (32,), "fc2.weight": (4, 32), "fc2.bias": (4,)}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import cases
-from spmd_expand.launch import run_local
+from spmd_expand.app.launch import run_local
 
 
 @pytest.mark.parametrize("plan", ["ddp", "fsdp"])

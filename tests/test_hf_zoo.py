@@ -15,7 +15,7 @@ import transformers
 
 import hf_zoo
 import spmd_expand as spmd
-from spmd_expand.launch import run_local
+from spmd_expand.app.launch import run_local
 from test_parity import check
 
 BOTH_PLANS = ["gpt2", "llama", "mistral", "bert", "bart"]

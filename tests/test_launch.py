@@ -1,4 +1,4 @@
-"""Tests for spmd_expand.launch: real gloo process groups on 2 local CPU ranks.
+"""Tests for spmd_expand.app.launch: real gloo process groups on 2 local CPU ranks.
 
 The rank functions live at module level here: spawned ranks unpickle them by qualified name,
 importing this module through the ``sys.path`` they inherit from the pytest process.
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from spmd_expand import launch
-from spmd_expand.launch import RankFailedError, is_distributed_launch, run_local
+from spmd_expand.app.launch import RankFailedError, is_distributed_launch, run_local
 
 WORLD = 2
 

@@ -5,14 +5,14 @@ import torch
 from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from spmd_expand.data import (
+from spmd_expand.app.data import (
     CharTokenizer,
     TextBatches,
     default_corpus_files,
     load_text,
     shard,
 )
-from spmd_expand.models import MLP, GPTConfig, build_gpt
+from spmd_expand.app.models import MLP, GPTConfig, build_gpt
 
 CONFIG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd=32)
 

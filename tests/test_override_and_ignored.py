@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import cases
 import spmd_expand as spmd
-from spmd_expand.models import MLP
+from spmd_expand.app.models import MLP
 
 C10D = torch.ops._c10d_functional
 

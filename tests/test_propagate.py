@@ -13,7 +13,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 import cases
 import spmd_expand as spmd
-from spmd_expand.models import MLP
+from spmd_expand.app.models import MLP
 from spmd_expand.spec import NodeSharding
 
 W = 4

@@ -17,10 +17,10 @@ import cases
 import random_cases
 import spmd_expand as spmd
 from spmd_expand import rng
-from spmd_expand.data import shard
+from spmd_expand.app.data import shard
 from spmd_expand.graph_stats import collective_stats
-from spmd_expand.launch import run_local
-from spmd_expand.models import GPTConfig, build_gpt, language_model_step
+from spmd_expand.app.launch import run_local
+from spmd_expand.app.models import GPTConfig, build_gpt, language_model_step
 
 RTOL, ATOL = 1e-4, 1e-5
 aten = torch.ops.aten

@@ -20,7 +20,7 @@ from spmd_expand.tools.dump import STAGES, dump_step, mlp_job
 from spmd_expand.tools.graph_text import collective_kind, parse_graph_text
 
 import spmd_expand as spmd
-from spmd_expand.cli import main
+from spmd_expand.app.cli import main
 from spmd_expand.graph_stats import collective_stats
 
 TESTS = Path(__file__).resolve().parent
@@ -39,7 +39,7 @@ def dumps(tmp_path_factory) -> dict[str, Path]:
     }
     running = {
         name: subprocess.Popen(
-            [sys.executable, "-m", "spmd_expand.cli", "dump", *args, "--out", str(root / name)],
+            [sys.executable, "-m", "spmd_expand.app.cli", "dump", *args, "--out", str(root / name)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

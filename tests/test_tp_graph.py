@@ -12,7 +12,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import cases
 import spmd_expand as spmd
-from spmd_expand.models import build_gpt
+from spmd_expand.app.models import build_gpt
 from spmd_expand.trace import backward_index
 
 C10D = torch.ops._c10d_functional

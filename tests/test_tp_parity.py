@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 import tp_cases
-from spmd_expand.launch import run_local
+from spmd_expand.app.launch import run_local
 
 RTOL, ATOL = 1e-4, 1e-5
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import loops
-from spmd_expand.launch import run_local
+from spmd_expand.app.launch import run_local
 
 RTOL, ATOL = 1e-4, 1e-5
 

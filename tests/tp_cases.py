@@ -1,6 +1,6 @@
 """Tensor-parallel cases beyond Colwise/Rowwise: torch's PrepareModule* styles, loss_parallel, and
 HuggingFace Llama under its own TP plan. Shared by the parity tests (gloo ranks) and the graph tests
-(fake process group); ``run_tp_cases`` is the worker for ``spmd_expand.launch.run_local``.
+(fake process group); ``run_tp_cases`` is the worker for ``spmd_expand.app.launch.run_local``.
 """
 
 from __future__ import annotations

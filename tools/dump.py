@@ -53,9 +53,9 @@ import spmd_expand as spmd
 
 from ..dsymint import DSymInt, local_strides
 from ..graph_stats import annotate_local_values, collective_stats, peak_live_bytes
-from ..models import MLP, GPTConfig, build_gpt, classification_step, language_model_step
+from ..app.models import MLP, GPTConfig, build_gpt, classification_step, language_model_step
 from ..errors import PlanError
-from ..presets import PRESETS, Preset, mesh_shape, preset
+from ..app.presets import PRESETS, Preset, mesh_shape, preset
 from ..spec import concrete, local_shape
 from ..trace import InputRole
 from .graph_text import (
@@ -109,7 +109,7 @@ class Job:
 
 
 def mlp_job() -> Job:
-    """:class:`~spmd_expand.models.MLP` (16 -> 32 -> 4) with AdamW; local batch of 2 rows."""
+    """:class:`~spmd_expand.app.models.MLP` (16 -> 32 -> 4) with AdamW; local batch of 2 rows."""
     generator = torch.Generator().manual_seed(0)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

@@ -14,8 +14,8 @@ from typing import Callable
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .errors import PlanError
-from .plans import DDP, FSDP, Plan, TensorParallel
+from ..errors import PlanError
+from ..plans import DDP, FSDP, Plan, TensorParallel
 
 __all__ = ["Preset", "PRESETS", "preset", "preset_mesh", "mesh_shape"]
 

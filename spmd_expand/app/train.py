@@ -22,11 +22,11 @@ from torch.distributed.tensor import DTensor
 import spmd_expand as spmd
 
 from .data import CharTokenizer, TextBatches, load_text
-from .graph_stats import collective_stats
+from ..graph_stats import collective_stats
 from .models import GPTConfig, build_gpt, language_model_step
-from .plans import resolve_plan
+from ..plans import resolve_plan
 from .presets import PRESETS, preset, preset_mesh
-from .spec import local_slice
+from ..spec import local_slice
 
 __all__ = ["TrainConfig", "train_worker", "PLANS"]
 

@@ -9,8 +9,8 @@ import sys
 from dataclasses import fields
 from typing import Optional, Sequence
 
-from .tools import diff as diff_tool
-from .tools import dump as dump_tool
+from ..tools import diff as diff_tool
+from ..tools import dump as dump_tool
 from .presets import mesh_shape, preset
 from .train import PARITY_ATOL, PARITY_RTOL, PLANS, TrainConfig, train_worker
 
