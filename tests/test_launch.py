@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from spmd_expand import launch
+from spmd_expand.app import launch
 from spmd_expand.app.launch import RankFailedError, is_distributed_launch, run_local
 
 WORLD = 2
