@@ -5,7 +5,9 @@ A functional collective is a start (``_c10d_functional.all_reduce`` ...) that re
 bytes move. Expansion places both where the value is redistributed, back to back. This pass reorders
 the graph (and only moves collectives, the nodes that exist only to feed them, and waits):
 
-* **wait late**: each ``wait_tensor`` moves to just before the first node that uses its result;
+* **wait late**: each ``wait_tensor`` moves to just before the first node that uses its result (or
+  the first in-place write into a graph input, whichever comes first: a collective in flight may
+  still read its input);
 * **issue early**: each collective start (with the nodes that exist only to feed it: a bucket's
   flatten/concatenate, a padding) moves to just after the last node it depends on;
 * **bounded prefetch of all-gathers**: an all-gather is not issued before the wait of the all-gather
@@ -154,6 +156,14 @@ class OverlapCollectives(SpmdPass):
                 continue
             order = {n: i for i, n in enumerate(graph.nodes)}
             first = min(users, key=order.__getitem__)
+            # Nor past an in-place write into a graph input: the collective may still be reading
+            # its input while it is in flight.
+            node = wait.next
+            while node is not first:
+                if _writes_input(node):
+                    first = node
+                    break
+                node = node.next
             node = wait.next
             while node is not first and (node in issuing or node.target is WAIT):
                 node = node.next
