@@ -11,6 +11,7 @@ import contextlib
 import functools
 import warnings
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -21,13 +22,13 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from .errors import SpmdError, TraceError
 from .expand import RedistributeCache
-from .guards import ObjectIds, cache_key, check_batch, initialize_optimizer_state
+from .guards import ObjectIds, Snapshot, cache_key, check_batch, initialize_optimizer_state, snapshot
 from .lower import LOWERINGS
 from .passes import resolve_passes
 from .pipeline import Override, StepArtifacts, compile_step
 from .plans import Plan, ResolvedPlan, resolve_plan
 from .spec import AS_PRODUCED, replicate
-from .trace import InputRole, TensorSpec, TracedStep, hyperparameters_of
+from .trace import HyperParameter, InputRole, TensorSpec, TracedStep, hyperparameters_of
 
 __all__ = ["compile", "CompiledStep", "Override", "StepArtifacts"]
 
@@ -57,6 +58,44 @@ def _rebind_parameters(model: nn.Module, optimizer: Optional[torch.optim.Optimiz
                     group["params"][i] = new[id(p)]
                     if old in optimizer.state:
                         optimizer.state[new[id(old)]] = optimizer.state.pop(old)
+
+
+class _Stale(Exception):
+    """An input of the bound call is not what the graph was compiled for: take the full path."""
+
+
+@dataclass
+class _Binding:
+    """The last call that went through the full path, and how to read its inputs again.
+
+    A later call whose :class:`~spmd_expand.guards.Snapshot` equals ``snapshot`` (taken before that
+    call ran) has the same cache key and input roles, and the same parameter, buffer and optimizer
+    state objects (the snapshot holds them by identity), so their local tensors are reused as they
+    are. Only gradients and the batch are read again: gradients are checked against the placements
+    and shape the graph was compiled for.
+    """
+
+    snapshot: Snapshot
+    artifacts: StepArtifacts
+    resolved: ResolvedPlan
+    local_template: list  # every graph tensor input's local tensor; None where read on every call
+    gradients: list[tuple]  # (input index, parameter, placements, global shape)
+    batch_inputs: list[tuple[int, int]]  # (input index, index among the batch tensors)
+    batch: list[tuple]  # (shape, dtype, device) of every batch tensor
+    constants: tuple
+    gradient_sync: bool
+    hyperparameters: list[HyperParameter]
+
+    def local_inputs(self, batch_leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        out = list(self.local_template)
+        for index, leaf in self.batch_inputs:
+            out[index] = batch_leaves[leaf]
+        for index, param, placements, shape in self.gradients:
+            grad = param.grad
+            if type(grad) is not DTensor or grad.placements != placements or grad.shape != shape:
+                raise _Stale
+            out[index] = grad._local_tensor
+        return out
 
 
 class CompiledStep:
@@ -90,6 +129,7 @@ class CompiledStep:
         self._ids = ObjectIds()
         self._state_attempted: "weakref.WeakKeyDictionary[torch.optim.Optimizer, set]" = weakref.WeakKeyDictionary()
         self.requires_gradient_sync = True
+        self._binding: Optional[_Binding] = None
         functools.update_wrapper(self, fn)
 
     # ------------------------------------------------------------------ gradient accumulation
@@ -217,21 +257,75 @@ class CompiledStep:
         leaves, _ = pytree.tree_flatten((args, kwargs))
         model = _find(leaves, nn.Module, "modules", at_most_one=False)
         optimizer = _find(leaves, torch.optim.Optimizer, "optimizers", at_most_one=True)
-        # Every call: state loaded since the last call (e.g. by set_state_dict) may be plain tensors.
-        self.prepare(model, optimizer)
-        if optimizer is not None:
-            attempted = self._state_attempted.setdefault(optimizer, set())
-            if initialize_optimizer_state(model, optimizer, attempted):
-                self._distribute_state(model, optimizer)
         batch_leaves = [x for x in leaves if isinstance(x, torch.Tensor)]
+        constants = tuple(repr(x) for x in leaves if not isinstance(x, (torch.Tensor, nn.Module, torch.optim.Optimizer)))
+        bound = self._bound_call(model, optimizer, batch_leaves, constants)
+        if bound is None:
+            # Every full call: state loaded since the last call (e.g. by set_state_dict) may be plain tensors.
+            self.prepare(model, optimizer)
+            if optimizer is not None:
+                attempted = self._state_attempted.setdefault(optimizer, set())
+                if initialize_optimizer_state(model, optimizer, attempted):
+                    self._distribute_state(model, optimizer)
+        else:
+            self._resolved = self._binding.resolved
         check_batch(batch_leaves, self._resolved, self.mesh)
         # The step updates local shards in place; autograd must not track that.
         with torch.no_grad():
-            return self._run(args, kwargs, model, optimizer, leaves, batch_leaves)
+            if bound is not None:
+                artifacts, locals_, values = bound
+                self.last = artifacts
+                return self._write_back(artifacts.traced, artifacts.runner(*locals_, *values), model, optimizer)
+            return self._run(args, kwargs, model, optimizer, leaves, batch_leaves, constants)
 
-    def _run(self, args, kwargs, model, optimizer, leaves, batch_leaves) -> Any:
+    def _bound_call(self, model, optimizer, batch_leaves, constants) -> Optional[tuple]:
+        """(artifacts, local inputs, hyperparameter values) when this call matches the last full one
+        (:class:`_Binding`) and its graph's guards hold; else None (take the full path)."""
+        binding = self._binding
+        if (
+            binding is None
+            or binding.gradient_sync != self.requires_gradient_sync
+            or binding.constants != constants
+            or len(binding.batch) != len(batch_leaves)
+            or any((t.shape, t.dtype, t.device) != b for t, b in zip(batch_leaves, binding.batch))
+            or not snapshot(model, optimizer).same_as(binding.snapshot)
+        ):
+            return None
+        try:
+            locals_ = binding.local_inputs(batch_leaves)
+        except _Stale:
+            return None
+        values = [hp.read(optimizer) for hp in binding.hyperparameters]
+        if binding.artifacts.traced.guards.check(values) is not None:
+            return None
+        return binding.artifacts, locals_, values
+
+    def _bind(self, model, optimizer, taken: Snapshot, roles, placements, specs, locals_, batch_leaves, constants, hyperparameters, artifacts) -> None:
+        params = dict(model.named_parameters())
+        template: list = []
+        gradients, batch_inputs = [], []
+        for index, (role, pl, spec, local) in enumerate(zip(roles, placements, specs, locals_)):
+            template.append(local if role.kind in ("param", "buffer", "state") else None)
+            if role.kind == "grad":
+                gradients.append((index, params[role.fqn], pl, torch.Size(spec.shape)))
+            elif role.kind == "batch":
+                batch_inputs.append((index, int(role.key)))
+        self._binding = _Binding(
+            snapshot=taken,
+            artifacts=artifacts,
+            resolved=self._resolved,
+            local_template=template,
+            gradients=gradients,
+            batch_inputs=batch_inputs,
+            batch=[(t.shape, t.dtype, t.device) for t in batch_leaves],
+            constants=constants,
+            gradient_sync=self.requires_gradient_sync,
+            hyperparameters=hyperparameters,
+        )
+
+    def _run(self, args, kwargs, model, optimizer, leaves, batch_leaves, constants) -> Any:
+        taken = snapshot(model, optimizer)
         roles, specs, placements, locals_ = self._inputs(model, optimizer, batch_leaves)
-        constants = tuple(repr(x) for x in leaves if not isinstance(x, (torch.Tensor, nn.Module, torch.optim.Optimizer)))
         hyperparameters = hyperparameters_of(optimizer)
         values = [hp.read(optimizer) for hp in hyperparameters]
         key = cache_key(
@@ -253,11 +347,16 @@ class CompiledStep:
             artifacts = self._compile(args, kwargs, model, optimizer, roles, specs, placements, locals_ + values)
             compiled.append(artifacts)
         self.last = artifacts
+        self._bind(model, optimizer, taken, roles, placements, specs, locals_, batch_leaves, constants, hyperparameters, artifacts)
         outputs = artifacts.runner(*locals_, *values)
         return self._write_back(artifacts.traced, outputs, model, optimizer)
 
     def _write_back(self, traced: TracedStep, outputs: Sequence[torch.Tensor], model, optimizer) -> Any:
         """Store new optimizer states and gradients as DTensors; return the user's values."""
+        if len(traced.outputs) == traced.return_is_tensor.count(True) and not traced.cleared_grads:
+            # Only the user's values (the steady state: states updated in place, gradients cleared
+            # by zero_grad before the step ended).
+            return pytree.tree_unflatten(_fill(outputs, traced.return_is_tensor), traced.return_spec)
         params = dict(model.named_parameters())
         returns = []
         for role, value, out_node_spec in zip(traced.outputs, outputs, traced.graph_module.graph.output_node().meta["spmd"].inputs):
@@ -272,9 +371,12 @@ class CompiledStep:
                 params[role.fqn].grad = dt
         for fqn in traced.cleared_grads:
             params[fqn].grad = None
-        values = iter(returns)
-        filled = [next(values) if is_tensor else None for is_tensor in traced.return_is_tensor]
-        return pytree.tree_unflatten(filled, traced.return_spec)
+        return pytree.tree_unflatten(_fill(returns, traced.return_is_tensor), traced.return_spec)
+
+
+def _fill(returns: Sequence[torch.Tensor], is_tensor: Sequence[bool]) -> list:
+    values = iter(returns)
+    return [next(values) if t else None for t in is_tensor]
 
 
 def compile(

@@ -1,0 +1,128 @@
+"""The per-call fast path never runs a stale graph.
+
+After a full call, ``CompiledStep`` binds the call's graph to a :class:`spmd_expand.guards.Snapshot`
+of the model and optimizer and, while later snapshots are equal, skips re-deriving the cache key and
+input roles. These tests change, between calls, every kind of state the README's table says the graph
+depends on and check that the snapshot sees it (and, end to end on the fake process group, that the
+step compiles again), and that what is a graph input (learning rate, betas, values) does not.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import spmd_expand as spmd
+from spmd_expand.guards import snapshot
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(16, 4)
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x))) * self.scale
+
+
+def _pair():
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return model, optimizer
+
+
+def _new_group(m, o):
+    extra = nn.Parameter(torch.zeros(3))
+    m.extra = extra
+    o.add_param_group({"params": [extra]})
+
+
+CHANGES = {
+    "eval_submodule": lambda m, o: m.fc1.eval(),
+    "freeze": lambda m, o: m.fc2.weight.requires_grad_(False),
+    "replace_parameter": lambda m, o: setattr(m.fc1, "bias", nn.Parameter(m.fc1.bias.detach().clone())),
+    "parameter_data_new_shape": lambda m, o: setattr(m.fc1.bias, "data", torch.zeros(17)),
+    "swap_activation": lambda m, o: setattr(m, "act", nn.ReLU()),
+    "delete_submodule": lambda m, o: delattr(m, "act"),
+    "add_buffer": lambda m, o: m.register_buffer("offset", torch.zeros(4)),
+    "buffer_new_shape": lambda m, o: setattr(m.scale, "data", torch.ones(5)),
+    "gradient_present": lambda m, o: setattr(m.fc1.weight, "grad", torch.zeros_like(m.fc1.weight)),
+    "foreach_setting": lambda m, o: o.param_groups[0].__setitem__("foreach", True),
+    "amsgrad_setting": lambda m, o: o.param_groups[0].__setitem__("amsgrad", True),
+    "lr_becomes_tensor": lambda m, o: o.param_groups[0].__setitem__("lr", torch.tensor(0.01)),
+    "new_param_group": _new_group,
+    "group_member_removed": lambda m, o: o.param_groups[0]["params"].pop(),
+    "state_cleared": lambda m, o: o.state[m.fc1.weight].clear(),
+    "state_dropped": lambda m, o: o.state.pop(m.fc1.weight),
+    "state_key_added": lambda m, o: o.state[m.fc1.weight].__setitem__("extra", None),
+    "optimizer_reloaded": lambda m, o: o.load_state_dict(o.state_dict()),
+}
+
+NOT_CHANGES = {
+    "lr": lambda m, o: o.param_groups[0].__setitem__("lr", 0.5),
+    "betas": lambda m, o: o.param_groups[0].__setitem__("betas", (0.8, 0.9)),
+    "weight_decay": lambda m, o: o.param_groups[0].__setitem__("weight_decay", 0.3),
+    "parameter_values": lambda m, o: m.fc1.weight.data.mul_(2),
+    "state_values": lambda m, o: o.state[m.fc1.weight]["exp_avg"].mul_(2),
+    "train_again": lambda m, o: m.train(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHANGES))
+def test_snapshot_sees_change(name):
+    model, optimizer = _pair()
+    before = snapshot(model, optimizer)
+    assert snapshot(model, optimizer).same_as(before)
+    CHANGES[name](model, optimizer)
+    assert not snapshot(model, optimizer).same_as(before), name
+
+
+@pytest.mark.parametrize("name", sorted(NOT_CHANGES))
+def test_snapshot_ignores_graph_inputs(name):
+    model, optimizer = _pair()
+    before = snapshot(model, optimizer)
+    NOT_CHANGES[name](model, optimizer)
+    assert snapshot(model, optimizer).same_as(before), name
+
+
+def _step(model, optimizer, x):
+    loss = model(x).square().mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_fast_path_recompiles_after_module_swap(fake_mesh):
+    """A module without parameters swapped between calls (GELU -> ReLU) compiles a new graph, and the
+    fast path then serves the new graph; ``lr`` changes do not compile."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(_step)
+    x = torch.randn(2, 8)
+    graphs = []
+    for i in range(6):
+        if i == 3:
+            model.act = nn.ReLU()
+        optimizer.param_groups[0]["lr"] = 1e-2 / (i + 1)
+        step(model, optimizer, x)
+        graphs.append(step.last)
+    assert graphs[0] is graphs[1] is graphs[2]
+    assert graphs[3] is graphs[4] is graphs[5] and graphs[3] is not graphs[0]
+    relu = [n for n in graphs[3].local_graph.graph.nodes if "relu" in str(n.target)]
+    gelu = [n for n in graphs[0].local_graph.graph.nodes if "gelu" in str(n.target)]
+    assert relu and gelu
+    assert not any("gelu" in str(n.target) for n in graphs[3].local_graph.graph.nodes)
+    del reference
