@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(VENV)/bin/spmd-expand train
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=20 tests
 
 bench: $(STAMP)
 	$(PY) bench/expand_speed.py > bench/results/expand_speed.json

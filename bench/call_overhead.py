@@ -52,7 +52,9 @@ def measure(layers: int, calls: int, mesh) -> dict:
     step(model, optimizer, x)
     step(model, optimizer, x)
     artifacts = step.last
-    outputs = artifacts.runner(*step._binding.local_inputs([x]), *[0.001, 0.9, 0.999, 0.01, 1e-8])
+    binding = step._binding
+    values = [hp.read(optimizer) for hp in binding.hyperparameters]
+    outputs = artifacts.runner(*binding.local_inputs([x]), *values)
     artifacts.runner = lambda *inputs: outputs  # the graph itself is not measured
 
     def full():

@@ -8,6 +8,7 @@ returns both so the test process can compare them.
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -15,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch._inductor.utils import run_and_get_code
 from torch.distributed.tensor import DTensor
 
 import spmd_expand as spmd
@@ -309,6 +311,12 @@ def make_mesh(plan: str, world: int):
 
 
 
+def inductor_kernels(code: str) -> list[str]:
+    """Names of the generated kernels that Inductor's ``call`` function launches, in launch order."""
+    call = code[code.index("def call("):]
+    return re.findall(r"^\s+((?:cpp|triton)_\w+)[(.]", call, re.M)
+
+
 def run_case(case: Case, mesh, rank: int, world: int, steps: int, lower: str, plan: str = "ddp") -> dict:
     torch.manual_seed(0)
     model = case.model()
@@ -317,12 +325,17 @@ def run_case(case: Case, mesh, rank: int, world: int, steps: int, lower: str, pl
     ref_optimizer = OPTIMIZERS[case.optimizer](reference.parameters())
     step = spmd.compile(mesh=mesh, plan=PLANS[plan][1](case.tp), lower=lower)(case.step)
     resolved = resolve_plan(PLANS[plan][1](case.tp), mesh, model)
-    losses, ref_losses = [], []
+    losses, ref_losses, kernels = [], [], []
     for i in range(steps):
         batch = case.batch(torch.Generator().manual_seed(100 + i))
         ref_losses.append(case.step(reference, ref_optimizer, *batch).detach())
         local = [local_slice(t, mesh, resolved.batch_placements(t)) for t in batch]
-        losses.append(step(model, optimizer, *local).detach())
+        if i == 0 and lower == "inductor":
+            loss, codes = run_and_get_code(step, model, optimizer, *local)
+            kernels = inductor_kernels(codes[-1])
+        else:
+            loss = step(model, optimizer, *local)
+        losses.append(loss.detach())
     return {
         "losses": torch.stack(losses),
         "ref_losses": torch.stack(ref_losses),
@@ -332,6 +345,8 @@ def run_case(case: Case, mesh, rank: int, world: int, steps: int, lower: str, pl
         "ref_states": {f"{k}.{s}": t.clone() for k, p in reference.named_parameters() for s, t in ref_optimizer.state[p].items() if isinstance(t, torch.Tensor)},
         "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
         # Ops of the last compiled local graph, e.g. to check which attention kernel or collectives ran.
+        # Kernels the Inductor-generated step calls, in order (empty under lower="eager").
+        "kernels": kernels,
         "graph_ops": sorted({str(n.target) for n in step.last.local_graph.graph.nodes if n.op == "call_function"}),
     }
 

@@ -72,6 +72,23 @@ def test_ddp_inductor_world2(results, name):
     check(results(2, "inductor", INDUCTOR_W2), name)
 
 
+@pytest.mark.parametrize(("plan", "cases_"), [("ddp", INDUCTOR_W2), ("fsdp", FSDP_INDUCTOR_W2)])
+def test_inductor_adamw_update_is_one_kernel(results, plan, cases_):
+    """The whole AdamW update of every local shard is one generated kernel (the optimizer pass's target).
+
+    AdamW's first-moment update is ``exp_avg.lerp_(grad, 1 - beta1)``; Inductor fuses the updates of all
+    parameters (single-tensor or foreach) into one ``cpp_fused_..._lerp_...`` kernel on CPU.
+    """
+    per_rank = results(2, "inductor", cases_, plan)
+    adamw = [name for name in cases_ if cases.CASES[name].optimizer.startswith("adamw")]
+    assert adamw
+    for name in adamw:
+        kernels = per_rank[0][name]["kernels"]
+        assert kernels, "no Inductor kernels were captured"
+        updates = [k for k in kernels if "lerp" in k]
+        assert len(updates) == 1, f"{plan} {name}: AdamW update in {len(updates)} kernels: {updates}"
+
+
 @pytest.mark.parametrize("name", EAGER_W4)
 def test_ddp_eager_world4(results, name):
     check(results(4, "eager", EAGER_W4), name)
