@@ -130,7 +130,7 @@ class BucketCollectives(SpmdPass):
     def call(self, gm: fx.GraphModule) -> PassResult:
         buckets = self.buckets(gm)
         for kind, nodes in buckets:
-            _MERGE[kind](gm.graph, nodes)
+            _MERGE[kind](gm.graph, nodes, **_placement(gm.graph, nodes))
         if buckets:
             gm.graph.lint()
             gm.recompile()
@@ -187,6 +187,20 @@ class BucketCollectives(SpmdPass):
         if len(current) > 1:
             buckets.append(current)
         return buckets
+
+
+def _placement(graph: fx.Graph, nodes: list[fx.Node]) -> dict:
+    """Where the merged collective goes: where the last member was (torch's default), unless a
+    member's result is used before that point (a graph that interleaves gathers with their uses, as
+    ``torch.compile``'s forward graphs do); then where the first member was, which every member's
+    input precedes (the bucket is cut at dependencies)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last = max(order[n] for n in nodes)
+    used_early = any(order[u] < last for n in nodes for u in _wait_of(n).users)
+    first = min(nodes, key=order.__getitem__)
+    if used_early and all(order[a] < order[first] for n in nodes for a in n.all_input_nodes):
+        return {"insert_before": first}
+    return {}
 
 
 def _descendants(node: fx.Node) -> set[fx.Node]:

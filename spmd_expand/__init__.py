@@ -11,12 +11,14 @@ expand -> local passes (``spmd_expand.passes``) -> lower; see ``api.compile``.
 
 from . import ops  # noqa: F401  (registers spmd_expand::gradient)
 from .api import CompiledStep, Override, StepArtifacts, compile
+from .backend import parallelize
 from .dsymint import DSymInt
 from .errors import BatchError, PassError, PlacementError, PlanError, SpmdError, TraceError, UnsupportedOpError
 from .plans import DDP, FSDP, ParallelStyle, TensorParallel
 
 __all__ = [
     "compile",
+    "parallelize",
     "CompiledStep",
     "StepArtifacts",
     "Override",

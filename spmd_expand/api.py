@@ -30,7 +30,7 @@ from .plans import Plan, ResolvedPlan, resolve_plan
 from .spec import AS_PRODUCED, replicate
 from .trace import HyperParameter, InputRole, TensorSpec, TracedStep, hyperparameters_of
 
-__all__ = ["compile", "CompiledStep", "Override", "StepArtifacts"]
+__all__ = ["compile", "CompiledStep", "Override", "StepArtifacts", "distribute_state"]
 
 
 def _find(leaves: Sequence[Any], kind: type, what: str, at_most_one: bool) -> Optional[Any]:
@@ -98,6 +98,38 @@ class _Binding:
         return out
 
 
+def distribute_state(
+    model: nn.Module, optimizer: Optional[torch.optim.Optimizer], mesh: DeviceMesh, plan: ResolvedPlan
+) -> None:
+    """Turn parameters (and existing optimizer states) into DTensors with the plan's placements.
+
+    Replicated parameters are broadcast from rank 0 (``distribute_tensor``), as DDP does at
+    construction; sharded ones keep this rank's shard of the full tensor every rank holds. Parameters
+    that already are DTensors are kept. Buffers stay plain tensors and are broadcast from rank 0.
+    The conversion of ``spmd.compile``'s first call and of :func:`spmd_expand.parallelize`.
+    """
+    new: dict[int, nn.Parameter] = {}
+    for fqn, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            continue
+        dt = distribute_tensor(p.detach(), mesh, plan.param_placements(fqn, p))
+        new[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
+    fqn_of = {id(p): fqn for fqn, p in model.named_parameters()}
+    if optimizer is not None:
+        for p, st in optimizer.state.items():
+            for key, v in list(st.items()):
+                if isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
+                    st[key] = distribute_tensor(v, mesh, plan.state_placements(fqn_of[id(p)], p, v))
+    if new:
+        # Buffers stay plain tensors, replicated: every rank must hold rank 0's values (a rank that
+        # differs would silently compute another model), so they are broadcast along with the
+        # parameters, as DDP does at construction.
+        for b in model.buffers():
+            if not isinstance(b, DTensor):
+                b.copy_(distribute_tensor(b, mesh, replicate(mesh)).to_local())
+    _rebind_parameters(model, optimizer, new)
+
+
 class CompiledStep:
     """A train step compiled for a mesh and plan; call it like the original step."""
 
@@ -157,32 +189,7 @@ class CompiledStep:
 
     # ------------------------------------------------------------------ state as DTensors
     def _distribute_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
-        """Turn parameters (and existing optimizer states) into DTensors with the plan's placements.
-
-        Replicated parameters are broadcast from rank 0 (``distribute_tensor``), as DDP does at
-        construction; sharded ones keep this rank's shard of the full tensor every rank holds.
-        """
-        plan = self._resolved
-        new: dict[int, nn.Parameter] = {}
-        for fqn, p in model.named_parameters():
-            if isinstance(p, DTensor):
-                continue
-            dt = distribute_tensor(p.detach(), self.mesh, plan.param_placements(fqn, p))
-            new[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
-        fqn_of = {id(p): fqn for fqn, p in model.named_parameters()}
-        if optimizer is not None:
-            for p, st in optimizer.state.items():
-                for key, v in list(st.items()):
-                    if isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
-                        st[key] = distribute_tensor(v, self.mesh, plan.state_placements(fqn_of[id(p)], p, v))
-        if new:
-            # Buffers stay plain tensors, replicated: every rank must hold rank 0's values (a rank that
-            # differs would silently compute another model), so they are broadcast along with the
-            # parameters, as DDP does at construction.
-            for b in model.buffers():
-                if not isinstance(b, DTensor):
-                    b.copy_(distribute_tensor(b, self.mesh, replicate(self.mesh)).to_local())
-        _rebind_parameters(model, optimizer, new)
+        distribute_state(model, optimizer, self.mesh, self._resolved)
 
     # ------------------------------------------------------------------ inputs
     def _inputs(self, model, optimizer, batch_leaves):

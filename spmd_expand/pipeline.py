@@ -39,7 +39,7 @@ from .plans import ResolvedPlan
 from .propagate import propagate
 from .trace import TracedStep, trace_step
 
-__all__ = ["Override", "StepArtifacts", "compile_step", "STAGES"]
+__all__ = ["Override", "StepArtifacts", "JointArtifacts", "compile_step", "expand_step", "expand_joint", "split_forward_backward", "STAGES"]
 
 STAGES = ("trace", "global_passes", "propagate", "expand", "local_passes", "lower")
 """Stage names, in order; :attr:`StepArtifacts.seconds` has one entry per stage."""
@@ -73,16 +73,18 @@ class StepArtifacts:
         local_graph: the graph that was lowered.
         passes: one record per pass that ran (global first), with its seconds and, when the step was
             compiled with ``keep_graphs``, the graph after it.
-        runner: the lowered callable: ``runner(*local_inputs, *hyperparameter_values) -> outputs``.
+        runner: the lowered callable: ``runner(*local_inputs, *hyperparameter_values) -> outputs``
+            (None until lowered).
         seconds: wall seconds per stage (:data:`STAGES`).
     """
 
     traced: TracedStep
     local_graph: fx.GraphModule
-    runner: Callable[..., list]
+    runner: Optional[Callable[..., list]]
     seconds: dict[str, float] = field(default_factory=dict)
     expanded: Optional[fx.GraphModule] = None
     passes: list[PassRecord] = field(default_factory=list)
+    example_inputs: list = field(default_factory=list, repr=False)
 
 
 class _overrides:
@@ -138,7 +140,22 @@ class _Clock:
         return _Timer()
 
 
-def compile_step(
+def compile_step(*args: Any, lower: str, **kwargs: Any) -> StepArtifacts:
+    """Run every stage once for the step's current state (:func:`expand_step`, then lower).
+
+    Takes :func:`expand_step`'s arguments and ``lower`` (``"inductor"`` or ``"eager"``).
+    """
+    artifacts = expand_step(*args, **kwargs)
+    start = time.perf_counter()
+    artifacts.runner = lower_graph(
+        artifacts.local_graph, artifacts.example_inputs, lower, ran_passes={r.name for r in artifacts.passes}
+    )
+    artifacts.seconds["lower"] = time.perf_counter() - start
+    artifacts.example_inputs = []  # this rank's tensors: not kept alive by the cache
+    return artifacts
+
+
+def expand_step(
     fn: Callable[..., Any],
     args: tuple,
     kwargs: dict,
@@ -157,14 +174,17 @@ def compile_step(
     local_passes: Sequence[SpmdPass],
     module_override: Sequence[Override],
     redistribute_cache: RedistributeCache,
-    lower: str,
     keep_graphs: bool = False,
+    out_placements: Optional[Callable[[TracedStep], list]] = None,
 ) -> StepArtifacts:
-    """Run every stage once for the step's current state and return what it produced.
+    """Run the stages up to the local passes (not lower) and return what they produced.
 
     ``roles``/``specs``/``placements`` describe the graph's tensor inputs (global shapes, the plan's
     placements); ``example_inputs`` are this rank's local values of every graph input (tensor inputs,
-    then hyperparameter values). ``grad_placements(fqn)`` is where each gradient must be reduced to.
+    then hyperparameter values; fake tensors are enough). ``grad_placements(fqn)`` is where each
+    gradient must be reduced to; ``out_placements(traced)`` the placements of every graph output
+    (default :func:`~spmd_expand.annotate.output_placements`: returns replicated, gradients and
+    states per the plan). The returned artifacts have no runner yet.
 
     Raises:
         TraceError, UnsupportedOpError, PlacementError, PassError: from the stage that failed.
@@ -180,12 +200,15 @@ def compile_step(
         traced.graph_module = global_gm
 
     with clock.stage("propagate"):
-        out_placements = output_placements(traced, model, mesh, plan, gradient_sync)
+        if out_placements is None:
+            outs = output_placements(traced, model, mesh, plan, gradient_sync)
+        else:
+            outs = out_placements(traced)
         propagate(
             traced,
             mesh,
             placements,
-            out_placements,
+            outs,
             grad_placements=grad_placements,
             compute_placements=lambda fqn: plan.compute_placements(fqn, params[fqn]),
         )
@@ -203,6 +226,95 @@ def compile_step(
         for override in module_override:
             local = override.transform(local)
 
-    with clock.stage("lower"):
-        runner = lower_graph(local, example_inputs, lower, ran_passes={r.name for r in records})
-    return StepArtifacts(traced, local, runner, clock.seconds, expanded, records)
+    return StepArtifacts(traced, local, None, clock.seconds, expanded, records, list(example_inputs))
+
+
+@dataclass
+class JointArtifacts:
+    """A forward+backward graph (``torch.compile`` backend) split for autograd.
+
+    ``step`` holds the global graph and the expanded joint graph (``step.local_graph``, before the
+    split); ``forward``/``backward`` are the split graphs after the local passes (``backward`` is None
+    when no output needs a gradient: then ``forward`` is the whole graph).
+    """
+
+    step: StepArtifacts
+    forward: fx.GraphModule
+    backward: Optional[fx.GraphModule]
+
+
+def expand_joint(
+    *args: Any, num_tangents: int, num_forward_outputs: int, local_passes: Sequence[SpmdPass], keep_graphs: bool = False, **kwargs: Any
+) -> JointArtifacts:
+    """The stages for a joint forward+backward graph: :func:`expand_step` without local passes, then
+    :func:`split_forward_backward`, then the local passes on the forward and on the backward graph.
+
+    The passes run after the split so that the partitioner sees the functional graph expansion made
+    (bucketing writes into shared buffers in place) and each pass schedules within one graph.
+    """
+    step = expand_step(*args, local_passes=(), keep_graphs=keep_graphs, **kwargs)
+    context = PassContext(mesh=kwargs["mesh"], plan=kwargs["plan"], traced=step.traced)
+    start = time.perf_counter()
+    if num_tangents:
+        forward, backward = split_forward_backward(step.local_graph, num_tangents, num_forward_outputs)
+    else:
+        forward, backward = copy_graph_module(step.local_graph), None
+    forward, records = run_passes(forward, local_passes, context, keep_graphs)
+    if backward is not None:
+        backward, backward_records = run_passes(backward, local_passes, context, keep_graphs)
+        records += backward_records
+    step.passes += records
+    step.seconds["local_passes"] = time.perf_counter() - start
+    return JointArtifacts(step, forward, backward)
+
+
+def split_forward_backward(
+    joint: fx.GraphModule, num_tangents: int, num_forward_outputs: int
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Split an expanded joint graph into its forward and backward graphs (for ``torch.compile``).
+
+    ``joint``'s last ``num_tangents`` placeholders are the gradients of the forward outputs, which are
+    its first ``num_forward_outputs`` outputs; the other outputs are gradients. The forward graph
+    returns its outputs, then the values the backward reads; the backward graph takes those values,
+    then the tangents. The split is AOTAutograd's ``default_partition``, on data flow: every node an
+    output of the forward needs is forward, the rest is backward (local passes may have placed a
+    backward collective among forward nodes; it moves after them, its order otherwise kept).
+    """
+    from torch._functorch.partitioners import default_partition
+
+    joint = copy_graph_module(joint)
+    graph = joint.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    num_primals = len(placeholders) - num_tangents
+    for i, node in enumerate(placeholders):
+        name = f"primals_{i + 1}" if i < num_primals else f"tangents_{i - num_primals + 1}"
+        node.target = name
+        node._rename(name)
+    outputs = graph.output_node().args[0]
+    forward: set[fx.Node] = set(placeholders[:num_primals])
+    stack = [n for n in outputs[:num_forward_outputs] if isinstance(n, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node in forward:
+            continue
+        forward.add(node)
+        stack.extend(node.all_input_nodes)
+    last_forward = next((n for n in reversed(graph.nodes) if n in forward and n.op != "placeholder"), None)
+    if last_forward is not None:
+        anchor = last_forward
+        # Move every non-forward node that sits before the last forward node right after it, in order.
+        movers = []
+        for node in graph.nodes:
+            if node is last_forward:
+                break
+            if node.op not in ("placeholder", "output") and node not in forward:
+                movers.append(node)
+        for node in movers:
+            anchor.append(node)
+            anchor = node
+    for node in forward:
+        if node.op != "placeholder":
+            node.meta["partitioner_tag"] = "is_forward"
+    graph.lint()
+    joint.recompile()
+    return default_partition(joint, [], num_fwd_outputs=num_forward_outputs)

@@ -1,0 +1,599 @@
+"""``torch.compile(model, backend="spmd")``: every graph Dynamo captures, compiled through our stages.
+
+    model = spmd.parallelize(model, mesh, plan)     # parameters become DTensors with the plan's placements
+    cmodel = torch.compile(model, backend="spmd", options={"mesh": mesh, "plan": plan})
+    loss = F.cross_entropy(cmodel(x), y)            # x, y: this rank's local batch
+    loss.backward(); optimizer.step()               # eager optimizer, schedulers, clipping, DCP
+
+:func:`parallelize` converts the model as ``spmd.compile``'s first call does
+(:func:`~spmd_expand.api.distribute_state`), makes its buffers replicated DTensors, and adds two hooks
+on the root module: local batch tensors in (``DTensor.from_local`` with the plan's batch placements),
+local results out (``redistribute`` to the batch placements, then ``to_local``). Dynamo traces through
+them, so each graph it captures reads DTensor parameters and produces DTensors.
+
+:func:`spmd_backend` (registered as ``spmd`` through the ``torch_dynamo_backends`` entry point) reads
+one such graph as the single-device program it describes: ``from_local``/``redistribute``/
+``to_local`` are identities on global values, parameters are global tensors. It traces forward and
+backward together (the joint graph, as AOTAutograd does; :func:`spmd_expand.trace.trace_step`) with the
+placements of the graph's DTensor inputs, propagates and expands it (collectives spliced in, gradients
+reduced per the plan), runs the local passes, splits it into forward and backward
+(``torch._functorch.partitioners.default_partition``) and lowers each with Inductor. The result is an
+``autograd.Function`` over local tensors: parameter gradients come back as DTensors with the
+parameters' placements, so ``param.grad`` is what the eager optimizer expects.
+
+Gradient convention (DDP's): a result returned as a local tensor feeds a per-rank loss, and the
+gradient is the mean over the data-parallel ranks of the per-rank gradients; for a result sharded on
+the batch this equals one device's gradient of the global batch's mean loss. The backward graph
+divides the incoming gradient of such results by the data-parallel size, inside the graph.
+
+Values that cross a graph break stay DTensors with the placements Dynamo traced them with; the
+compiled graph returns exactly those placements.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from .api import distribute_state
+from .errors import SpmdError, TraceError
+from .expand import RedistributeCache
+from .lower import LOWERINGS, lower as lower_graph
+from .passes import resolve_passes
+from .pipeline import JointArtifacts, expand_joint
+from .plans import Plan, ResolvedPlan, _DataParallel, resolve_plan
+from .spec import replicate
+from .trace import InputRole, TensorSpec, TracedStep
+
+__all__ = ["parallelize", "spmd_backend", "BackendStats", "stats"]
+
+
+# ---------------------------------------------------------------------------------------------- parallelize
+
+
+@dataclass
+class _Parallelized:
+    mesh: DeviceMesh
+    plan: Plan
+    resolved: ResolvedPlan
+
+
+_PARALLELIZED: "weakref.WeakKeyDictionary[nn.Module, _Parallelized]" = weakref.WeakKeyDictionary()
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> nn.Module:
+    """Make ``model`` an SPMD module for ``torch.compile(model, backend="spmd")``; returns ``model``.
+
+    Parameters become DTensors with ``plan``'s placements (the conversion of ``spmd.compile``'s first
+    call: replicated ones broadcast from rank 0, sharded ones this rank's shard), buffers replicated
+    DTensors. Forward hooks on ``model`` take this rank's local batch (plain tensors, split on the
+    batch dim under DDP/FSDP) and return local results (this rank's rows of a batch-shaped result; the
+    full value of a scalar). Build the optimizer after this call, over ``model.parameters()``.
+
+    The model must then run under ``torch.compile(..., backend="spmd")``: run eagerly, the hooks raise
+    (eager DTensor execution would sum, not average, the ranks' gradients).
+
+    Raises:
+        PlanError: ``plan`` does not fit ``model`` (from :func:`~spmd_expand.plans.resolve_plan`).
+        SpmdError: ``model`` is already parallelized for another mesh or plan.
+    """
+    known = _PARALLELIZED.get(model)
+    if known is not None:
+        if known.mesh is not mesh or known.plan is not plan:
+            raise SpmdError("spmd.parallelize: this model is already parallelized with another mesh or plan")
+        return model
+    resolved = resolve_plan(plan, mesh, model)
+    distribute_state(model, None, mesh, resolved)
+    for module in model.modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and not isinstance(buf, DTensor):
+                module._buffers[name] = distribute_tensor(buf, mesh, replicate(mesh))
+
+    def inputs_to_dtensor(module, args, kwargs):
+        if not torch.compiler.is_compiling():
+            raise SpmdError(
+                "a model from spmd.parallelize ran eagerly; run it as torch.compile(model, backend=\"spmd\", "
+                "options={\"mesh\": mesh, \"plan\": plan}) (eager DTensor execution would sum, not average, "
+                "the data-parallel ranks' gradients)"
+            )
+        return pytree.tree_map_only(
+            torch.Tensor,
+            lambda t: t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, resolved.batch_placements(t), run_check=False),
+            (args, kwargs),
+        )
+
+    def outputs_to_local(module, args, kwargs, output):
+        return pytree.tree_map_only(
+            DTensor, lambda t: t.redistribute(mesh, resolved.batch_placements(t)).to_local(), output
+        )
+
+    model.register_forward_pre_hook(inputs_to_dtensor, with_kwargs=True)
+    model.register_forward_hook(outputs_to_local, with_kwargs=True)
+    _PARALLELIZED[model] = _Parallelized(mesh, plan, resolved)
+    _replicate_plain_tensors_while_tracing()
+    return model
+
+
+_implicit_replication_installed = False
+
+
+def _replicate_plain_tensors_while_tracing() -> None:
+    """While Dynamo traces, a plain tensor meeting a DTensor is taken as replicated, and shapes stay static.
+
+    Tensors a forward creates itself (``torch.arange`` positions, causal masks) are the same on every
+    rank, which is what ``Replicate`` means; DTensor refuses the mix unless its implicit replication
+    is on (``torch.distributed.tensor.experimental.implicit_replication``). Dynamo's compile start/end
+    callbacks turn it on for the duration of each compilation only; the batch itself enters through
+    :func:`parallelize`'s hook with its real placements. Dynamo's automatic dynamic shapes are off
+    during compilations too: ``nn.Module.__call__`` is one code object for every module, so a second
+    model (or a new batch shape) would otherwise make sizes symbolic, which the stages do not take.
+    """
+    global _implicit_replication_installed
+    if _implicit_replication_installed:
+        return
+    from torch._dynamo.callback import callback_handler
+
+    previous: list[tuple[bool, bool]] = []
+
+    def start(_args) -> None:
+        previous.append((torch._C._get_dtensor_allow_implicit_replication(), torch._dynamo.config.automatic_dynamic_shapes))
+        torch._C._set_dtensor_allow_implicit_replication(True)
+        # Our stages compile static shapes: a new shape is a new graph, never a symbolic size.
+        torch._dynamo.config.automatic_dynamic_shapes = False
+
+    def end(_args) -> None:
+        implicit, automatic = previous.pop() if previous else (False, True)
+        torch._C._set_dtensor_allow_implicit_replication(implicit)
+        torch._dynamo.config.automatic_dynamic_shapes = automatic
+
+    callback_handler.register_start_callback(start)
+    callback_handler.register_end_callback(end)
+    _implicit_replication_installed = True
+
+
+# ---------------------------------------------------------------------------------------------- backend
+
+
+@dataclass
+class BackendStats:
+    """Counters of :func:`spmd_backend` in this process (tests count compilations with them)."""
+
+    graphs_compiled: int = 0
+    backwards_compiled: int = 0
+
+
+stats = BackendStats()
+_stats_lock = threading.Lock()
+
+_OPTIONS = {
+    "mesh": "the DeviceMesh given to spmd.parallelize",
+    "plan": "the plan given to spmd.parallelize",
+    "passes": '"default", or a list of pass names / pass objects (as spmd.compile)',
+    "lower": f"one of {LOWERINGS}",
+}
+
+
+def spmd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Optional[dict] = None) -> Callable:
+    """The ``spmd`` Dynamo backend: compile one captured graph of a :func:`parallelize`-d model.
+
+    ``options`` (``torch.compile(..., options={...})``): ``mesh`` and ``plan`` (checked against
+    :func:`parallelize`'s), ``passes`` (default ``"default"``), ``lower`` (``"inductor"`` or ``"eager"``).
+
+    Returns a callable over the graph's inputs (DTensor parameters, local batch tensors) returning its
+    outputs (local tensors where the graph ends in ``to_local``, DTensors elsewhere).
+
+    Raises:
+        SpmdError: an unknown option, a mesh or plan that is not the model's, a graph that reads
+            parameters of no parallelized model, or a construct the backend cannot read (a local
+            tensor computed on after ``to_local``, dynamic shapes).
+        TraceError, UnsupportedOpError, PlacementError, PassError: from the stage that failed.
+    """
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        known = "; ".join(f"{k}: {v}" for k, v in _OPTIONS.items())
+        raise SpmdError(f"torch.compile(backend=\"spmd\"): unknown option(s) {unknown}; the options are {known}")
+    lower = options.get("lower", "inductor")
+    if lower not in LOWERINGS:
+        raise SpmdError(f"torch.compile(backend=\"spmd\"): option lower={lower!r} is not one of {LOWERINGS}")
+    model, info = _owner(example_inputs, options)
+    for name in ("mesh", "plan"):
+        if name in options and options[name] is not getattr(info, name):
+            raise SpmdError(
+                f"torch.compile(backend=\"spmd\"): option {name!r} is not the {name} the model was parallelized "
+                f"with (spmd.parallelize(model, mesh, plan)); pass the same object or leave the option out"
+            )
+    global_passes, local_passes = resolve_passes(options.get("passes", "default"))
+    # Our stages make their own fake modes; Dynamo's tracing context (and its fake mode) stays outside.
+    with torch._guards.tracing(None):
+        compiled = _GraphCompiler(gm, list(example_inputs), model, info, global_passes, local_passes, lower).compile()
+    with _stats_lock:
+        stats.graphs_compiled += 1
+    return compiled
+
+
+def _owner(example_inputs: Sequence[Any], options: dict) -> tuple[nn.Module, _Parallelized]:
+    """The parallelized model whose parameters the graph reads.
+
+    A graph without parameters (Dynamo compiles a module's hooks apart from its ``forward`` when it
+    cannot inline one into the other) belongs to the model parallelized with ``options``' mesh and
+    plan, or to the only parallelized model of the process.
+    """
+    ids = {id(t) for t in example_inputs if isinstance(t, nn.Parameter)}
+    models = list(_PARALLELIZED.items())
+    if ids:
+        owners = [(m, info) for m, info in models if ids & {id(p) for p in m.parameters()}]
+    else:
+        owners = [
+            (m, info)
+            for m, info in models
+            if options.get("mesh", info.mesh) is info.mesh and options.get("plan", info.plan) is info.plan
+        ]
+    if len(owners) != 1:
+        what = "reads parameters of" if ids else "reads no parameters and matches"
+        raise SpmdError(
+            f"torch.compile(backend=\"spmd\"): the graph {what} "
+            + ("no model given to spmd.parallelize" if not owners else f"{len(owners)} parallelized models")
+            + "; call model = spmd.parallelize(model, mesh, plan) before torch.compile(model, backend=\"spmd\", "
+            "options={\"mesh\": mesh, \"plan\": plan})"
+        )
+    return owners[0]
+
+
+@dataclass
+class _Slot:
+    """One placeholder of the Dynamo graph: ``kind`` in {param, buffer, input, constant}."""
+
+    kind: str
+    fqn: str = ""
+    placements: tuple = ()
+    global_spec: Optional[TensorSpec] = None
+    requires_grad: bool = False
+
+
+@dataclass
+class _Output:
+    """One output of the Dynamo graph: returned ``local`` (after ``to_local``), as a ``dtensor``, or ``plain``."""
+
+    kind: str
+    placements: tuple
+    shape: torch.Size
+    stride: tuple
+    differentiable: bool
+    tangent_placements: tuple = ()
+    tangent_scale: float = 1.0
+
+
+def _is_from_local(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is DTensor.from_local
+
+
+def _source_line(node: fx.Node) -> str:
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
+    return f" (at {lines[-2]}: {lines[-1]})" if len(lines) >= 2 else ""
+
+
+class _GlobalView(fx.Interpreter):
+    """Run a Dynamo graph of DTensor code on plain global tensors: the single-device program."""
+
+    def call_function(self, target, args, kwargs):
+        if target is DTensor.from_local:
+            return args[0]
+        return super().call_function(target, args, kwargs)
+
+    def call_method(self, target, args, kwargs):
+        if target in ("redistribute", "to_local", "full_tensor"):
+            return args[0]
+        return super().call_method(target, args, kwargs)
+
+
+class _GraphCompiler:
+    def __init__(self, gm, example_inputs, model, info, global_passes, local_passes, lower):
+        self.gm = gm
+        self.example_inputs = example_inputs
+        self.model = model
+        self.info = info
+        self.mesh: DeviceMesh = info.mesh
+        self.plan: ResolvedPlan = info.resolved
+        self.global_passes = global_passes
+        self.local_passes = local_passes
+        self.lower = lower
+        self.dp_size = math.prod(
+            self.mesh.size(d) for d, style in enumerate(self.plan.styles) if isinstance(style, _DataParallel)
+        )
+
+    # ------------------------------------------------------------------ reading the Dynamo graph
+    def _slots(self) -> list[_Slot]:
+        fqn_of = {id(p): ("param", fqn) for fqn, p in self.model.named_parameters()}
+        fqn_of.update({id(b): ("buffer", fqn) for fqn, b in self.model.named_buffers()})
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        slots = []
+        for node, value in zip(placeholders, self.example_inputs):
+            if isinstance(value, (torch.SymInt, torch.SymFloat, int, float)) and not isinstance(value, bool):
+                raise SpmdError(
+                    f"torch.compile(backend=\"spmd\"): graph input {node.target} is a dynamic size; compile with "
+                    f"torch.compile(..., dynamic=False) (a new batch shape then compiles a new graph)"
+                )
+            if not isinstance(value, torch.Tensor):
+                slots.append(_Slot("constant"))
+                continue
+            kind, fqn = fqn_of.get(id(value), ("input", ""))
+            if isinstance(value, DTensor):
+                placements = tuple(value.placements)
+                shape = tuple(value.shape)
+            else:
+                users = list(node.users)
+                if not users or not all(_is_from_local(u) for u in users):
+                    raise SpmdError(
+                        f"torch.compile(backend=\"spmd\"): graph input {node.target} is a plain tensor used by "
+                        f"{[str(u.target) for u in users if not _is_from_local(u)]}; a model from spmd.parallelize "
+                        f"takes plain tensors only as its forward's arguments"
+                    )
+                dt = users[0].meta["example_value"]
+                placements = tuple(dt.placements)
+                shape = tuple(dt.shape)
+            spec = TensorSpec(shape, value.dtype, value.device)
+            slots.append(_Slot(kind, fqn, placements, spec, kind == "input" and value.requires_grad))
+        return slots
+
+    def _outputs(self) -> list[_Output]:
+        outputs = []
+        grad_on = torch.is_grad_enabled()
+        for node in self.gm.graph.output_node().args[0]:
+            if not isinstance(node, fx.Node) or not isinstance(node.meta.get("example_value"), torch.Tensor):
+                raise SpmdError(f"torch.compile(backend=\"spmd\"): the graph returns {node!r}; only tensors are supported")
+            value = node.meta["example_value"]
+            differentiable = grad_on and value.requires_grad and value.dtype.is_floating_point
+            if node.op == "call_method" and node.target == "to_local":
+                dt = node.args[0].meta["example_value"]
+                out = _Output("local", tuple(dt.placements), dt.shape, tuple(dt.stride()), differentiable)
+                # Per-rank losses, averaged over the data-parallel ranks (DDP's convention).
+                out.tangent_placements = tuple(
+                    Partial() if isinstance(style, _DataParallel) and isinstance(p, Replicate) else p
+                    for style, p in zip(self.plan.styles, out.placements)
+                )
+                out.tangent_scale = 1.0 / self.dp_size
+            elif isinstance(value, DTensor):
+                out = _Output("dtensor", tuple(value.placements), value.shape, tuple(value.stride()), differentiable)
+                out.tangent_placements = out.placements
+            else:
+                out = _Output("plain", replicate(self.mesh), value.shape, tuple(value.stride()), differentiable)
+                out.tangent_placements = out.placements
+            outputs.append(out)
+        for node in self.gm.graph.nodes:
+            if node.op == "call_method" and node.target == "to_local":
+                others = [u for u in node.users if u.op != "output"]
+                if others:
+                    raise SpmdError(
+                        f"torch.compile(backend=\"spmd\"): the compiled region computes on a local tensor after "
+                        f"to_local(){_source_line(others[0])}; compute the loss outside the compiled model, or keep "
+                        f"the value a DTensor"
+                    )
+        return outputs
+
+    # ------------------------------------------------------------------ compile
+    def compile(self) -> Callable:
+        slots = self._slots()
+        outputs = self._outputs()
+        diff_outputs = [i for i, o in enumerate(outputs) if o.differentiable]
+        grad_inputs = [i for i, s in enumerate(slots) if s.kind == "input" and s.requires_grad]
+        joint = bool(diff_outputs)
+
+        roles, specs, placements, locals_ = [], [], [], []
+        for slot, value in zip(slots, self.example_inputs):
+            if slot.kind in ("param", "buffer"):
+                roles.append(InputRole(slot.kind, slot.fqn))
+                specs.append(slot.global_spec)
+                placements.append(slot.placements)
+                locals_.append(value.to_local() if isinstance(value, DTensor) else value)
+        batch = 0
+        for slot, value in zip(slots, self.example_inputs):
+            if slot.kind == "input":
+                roles.append(InputRole("batch", key=str(batch)))
+                specs.append(slot.global_spec)
+                placements.append(slot.placements)
+                locals_.append(value.to_local() if isinstance(value, DTensor) else value)
+                batch += 1
+        if joint:
+            for i in diff_outputs:
+                out = outputs[i]
+                roles.append(InputRole("batch", key=str(batch)))
+                value = self.gm.graph.output_node().args[0][i].meta["example_value"]
+                specs.append(TensorSpec(tuple(out.shape), value.dtype, value.device))
+                placements.append(out.tangent_placements)
+                local = value.to_local() if isinstance(value, DTensor) else value
+                locals_.append(torch.empty(local.shape, dtype=local.dtype, device=local.device))
+                batch += 1
+
+        step = _joint_step(self.gm, slots, self.example_inputs, outputs, diff_outputs, grad_inputs)
+        params = dict(self.model.named_parameters())
+
+        def out_placements(traced: TracedStep) -> list:
+            result = []
+            returns = [o.placements for o in outputs] + [slots[i].placements for i in grad_inputs]
+            returns = [p for p, present in zip(returns, traced.return_is_tensor) if present]
+            it = iter(returns)
+            for role in traced.outputs:
+                if role.kind == "return":
+                    result.append(next(it))
+                else:
+                    result.append(self.plan.grad_placements(role.fqn, params[role.fqn]) or replicate(self.mesh))
+            return result
+
+        n_state = sum(s.kind in ("param", "buffer") for s in slots)
+        artifacts = expand_joint(
+            step,
+            (self.model, *locals_[n_state:]),
+            {},
+            self.model,
+            None,
+            roles,
+            specs,
+            placements,
+            locals_,
+            mesh=self.mesh,
+            plan=self.plan,
+            grad_placements=lambda fqn: self.plan.grad_placements(fqn, params[fqn]),
+            gradient_sync=True,
+            global_passes=self.global_passes,
+            local_passes=self.local_passes,
+            module_override=(),
+            redistribute_cache=RedistributeCache(),
+            out_placements=out_placements,
+            num_tangents=len(diff_outputs) if joint else 0,
+            num_forward_outputs=len(outputs),
+        )
+        return _Runtime.build(self, artifacts, slots, outputs, diff_outputs, grad_inputs)
+
+
+def _joint_step(gm, slots, example_inputs, outputs, diff_outputs, grad_inputs) -> Callable:
+    """The single-device program of ``gm``, forward and (with tangents) backward, for ``trace_step``.
+
+    ``step(model, *batch)``: ``batch`` holds the graph's non-parameter tensor inputs (global), then one
+    tangent per differentiable output. Returns the graph's outputs, then the gradients of inputs that
+    require grad; parameter gradients are left in ``.grad`` (trace_step makes them outputs).
+    """
+    n_inputs = sum(s.kind == "input" for s in slots)
+
+    def step(model: nn.Module, *batch: torch.Tensor) -> list:
+        params = dict(model.named_parameters())
+        buffers = dict(model.named_buffers())
+        inputs, tangents = list(batch[:n_inputs]), list(batch[n_inputs:])
+        values, it, leaves = [], iter(inputs), []
+        for slot, example in zip(slots, example_inputs):
+            if slot.kind == "param":
+                values.append(params[slot.fqn])
+            elif slot.kind == "buffer":
+                values.append(buffers[slot.fqn])
+            elif slot.kind == "input":
+                value = next(it)
+                if slot.requires_grad:
+                    value = value.detach().requires_grad_()
+                    leaves.append(value)
+                values.append(value)
+            else:
+                values.append(example)
+        results = list(_GlobalView(gm).run(*values))
+        if not tangents:
+            return results + [None] * len(leaves)
+        # torch.autograd.grad, not backward(): gradients are returned as computed, without
+        # AccumulateGrad's copies into the leaves' layouts.
+        trainable = [p for p in params.values() if p.requires_grad]
+        grads = torch.autograd.grad(
+            [results[i] for i in diff_outputs],
+            trainable + leaves,
+            [t * outputs[i].tangent_scale if outputs[i].tangent_scale != 1.0 else t for i, t in zip(diff_outputs, tangents)],
+            allow_unused=True,
+        )
+        for p, g in zip(trainable, grads):
+            p.grad = g
+        return results + list(grads[len(trainable):])
+    return step
+
+
+class _Runtime:
+    """The compiled graph at run time: local tensors in, forward and backward graphs, DTensors out."""
+
+    def __init__(self, compiler, artifacts: JointArtifacts, slots, outputs, diff_outputs, grad_index):
+        self.mesh = compiler.mesh
+        self.lower = compiler.lower
+        self.ran_passes = frozenset(r.name for r in artifacts.step.passes)
+        self.artifacts = artifacts
+        self.tensor_positions = [i for i, s in enumerate(slots) if s.kind in ("param", "buffer")] + [
+            i for i, s in enumerate(slots) if s.kind == "input"
+        ]
+        self.outputs = outputs
+        self.diff_outputs = diff_outputs
+        self.joint = artifacts.backward is not None
+        self.forward_gm = artifacts.forward
+        self.backward_gm = artifacts.backward
+        self.grad_index = grad_index  # per tensor argument: index among the backward outputs, or None
+        self._forward: Optional[Callable] = None
+        self._backward: Optional[Callable] = None
+
+    @classmethod
+    def build(cls, compiler, artifacts: JointArtifacts, slots, outputs, diff_outputs, grad_inputs) -> "_Runtime":
+        traced = artifacts.step.traced
+        if artifacts.backward is None:
+            return cls(compiler, artifacts, slots, outputs, diff_outputs, [])
+        backward_roles = traced.outputs[len(outputs):]
+        present = iter(traced.return_is_tensor[len(outputs):])
+        input_grads = [i for i in grad_inputs if next(present)]
+        position = {("input", i): k for k, i in enumerate(input_grads)}
+        position.update({("param", r.fqn): k for k, r in enumerate(backward_roles) if r.kind == "grad"})
+        tensor_slots = [i for i, s in enumerate(slots) if s.kind in ("param", "buffer")] + [
+            i for i, s in enumerate(slots) if s.kind == "input"
+        ]
+        grad_index = [
+            position.get(("param", slots[i].fqn)) if slots[i].kind == "param" else position.get(("input", i))
+            for i in tensor_slots
+        ]
+        return cls(compiler, artifacts, slots, outputs, diff_outputs, grad_index)
+
+    def _lowered(self, gm: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> Callable:
+        return lower_graph(gm, list(inputs), self.lower, ran_passes=self.ran_passes)
+
+    def run_forward(self, tensors: Sequence[torch.Tensor]) -> list:
+        if self._forward is None:
+            self._forward = self._lowered(self.forward_gm, tensors)
+        return list(self._forward(*tensors))
+
+    def run_backward(self, inputs: Sequence[torch.Tensor]) -> list:
+        if self._backward is None:
+            self._backward = self._lowered(self.backward_gm, inputs)
+            with _stats_lock:
+                stats.backwards_compiled += 1
+        return list(self._backward(*inputs))
+
+    def __call__(self, *args: Any) -> tuple:
+        tensors = [args[i].to_local() if isinstance(args[i], DTensor) else args[i] for i in self.tensor_positions]
+        if self.joint:
+            results = _SpmdFunction.apply(self, *tensors)
+        else:
+            results = self.run_forward(tensors)
+        return tuple(self._wrap(value, out) for value, out in zip(results, self.outputs))
+
+    def _wrap(self, value: torch.Tensor, out: _Output) -> torch.Tensor:
+        if out.kind != "dtensor":
+            return value
+        return DTensor.from_local(value, self.mesh, out.placements, run_check=False, shape=out.shape, stride=out.stride)
+
+
+class _SpmdFunction(torch.autograd.Function):
+    """Forward and backward graphs of one compiled Dynamo graph, over this rank's local tensors."""
+
+    @staticmethod
+    def forward(ctx, runtime: _Runtime, *tensors: torch.Tensor):
+        results = runtime.run_forward(tensors)
+        n = len(runtime.outputs)
+        outs = tuple(results[:n])
+        ctx.runtime = runtime
+        ctx.saved = results[n:]
+        ctx.out_meta = [(o.shape, o.dtype, o.device) for o in outs]
+        nondiff = [o for o, spec in zip(outs, runtime.outputs) if not spec.differentiable]
+        if nondiff:
+            ctx.mark_non_differentiable(*nondiff)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[torch.Tensor]):
+        runtime: _Runtime = ctx.runtime
+        tangents = []
+        for i in runtime.diff_outputs:
+            g = grads[i]
+            shape, dtype, device = ctx.out_meta[i]
+            tangents.append(torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous())
+        saved, ctx.saved = ctx.saved, None
+        results = runtime.run_backward([*saved, *tangents])
+        return (None, *[None if k is None else results[k] for k in runtime.grad_index])

@@ -1,0 +1,142 @@
+"""Training loops for ``torch.compile(model, backend="spmd")``, each against one device over the global batch.
+
+The user's own loop: eager ``loss.backward()``, ``clip_grad_norm_``, ``optimizer.step()``, an LR
+scheduler; the loss is computed outside the compiled model from its local result.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+import spmd_expand as spmd
+from spmd_expand.backend import stats
+from spmd_expand.plans import resolve_plan
+from spmd_expand.spec import local_slice
+
+from cases import GPT_CONFIG, GPT_TP, PLANS, make_mesh
+from spmd_expand.app.models import build_gpt
+
+
+@dataclass
+class Loop:
+    model: Callable[[], nn.Module]
+    batch: Callable[[torch.Generator], tuple]
+    loss: Callable[..., torch.Tensor]  # loss(model_callable, *batch) -> scalar
+    tp: dict | None = None
+
+
+def _tokens(g):
+    idx = torch.randint(0, GPT_CONFIG.vocab_size, (8, 8), generator=g)
+    return idx, torch.roll(idx, -1, 1)
+
+
+def _lm_loss(model, idx, targets):
+    logits = model(idx)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class BreakMLP(nn.Module):
+    """An MLP whose forward has a graph break in the middle (a print Dynamo cannot trace)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(12, 24), nn.Linear(24, 24), nn.Linear(24, 5)
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(x))
+        torch._dynamo.graph_break()
+        h = h * torch.sigmoid(self.fc2(h))
+        return self.fc3(h)
+
+
+def _xy(g):
+    return torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)
+
+
+def _ce(model, x, y):
+    return F.cross_entropy(model(x), y)
+
+
+def _llama():
+    import tp_cases
+
+    return tp_cases.build_llama()
+
+
+def _llama_tokens(g):
+    import tp_cases
+
+    return tp_cases.llama_tokens(g)
+
+
+def _llama_loss(model, idx, labels):
+    logits = model(input_ids=idx).logits
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+LOOPS = {
+    "gpt": Loop(lambda: build_gpt(GPT_CONFIG, seed=0), _tokens, _lm_loss, GPT_TP),
+    "graph_break": Loop(lambda: torch.manual_seed(0) and BreakMLP(), _xy, _ce),
+    "llama": Loop(_llama, _llama_tokens, _llama_loss),
+}
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def run_loop(name: str, plan_name: str, mesh, steps: int, lower: str) -> dict:
+    loop = LOOPS[name]
+    torch.manual_seed(0)
+    model = loop.model()
+    reference = copy.deepcopy(model)
+    plan = PLANS[plan_name][1](loop.tp)
+    before = stats.graphs_compiled
+    spmd.parallelize(model, mesh, plan)
+    resolved = resolve_plan(plan, mesh, reference)
+    compiled = torch.compile(model, backend="spmd", options={"mesh": mesh, "plan": plan, "lower": lower})
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1) for m in (model, reference)]
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in optimizers]
+    losses, ref_losses, norms, ref_norms = [], [], [], []
+    for i in range(steps):
+        batch = loop.batch(torch.Generator().manual_seed(100 + i))
+        local = [local_slice(t, mesh, resolved.batch_placements(t)) for t in batch]
+        for m, fn, args, out, out_norms, opt, sched in (
+            (model, compiled, local, losses, norms, optimizers[0], schedulers[0]),
+            (reference, reference, batch, ref_losses, ref_norms, optimizers[1], schedulers[1]),
+        ):
+            loss = loop.loss(fn, *args)
+            loss.backward()
+            out_norms.append(_full(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)).detach())
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            out.append(loss.detach())
+    return {
+        "losses": torch.stack(losses),
+        "ref_losses": torch.stack(ref_losses),
+        "norms": torch.stack(norms),
+        "ref_norms": torch.stack(ref_norms),
+        "params": {k: _full(v).detach().clone() for k, v in model.named_parameters()},
+        "ref_params": {k: v.detach().clone() for k, v in reference.named_parameters()},
+        "compilations": stats.graphs_compiled - before,
+    }
+
+
+def run_loops(rank: int, world: int, runs: list[tuple[str, str]], steps: int = 3, lower: str = "eager") -> dict:
+    """Worker: each (loop, plan) on this rank; errors are returned per run, not raised."""
+    results = {}
+    for name, plan_name in runs:
+        try:
+            results[(name, plan_name)] = run_loop(name, plan_name, make_mesh(plan_name, world), steps, lower)
+        except Exception:  # noqa: BLE001 - reported per run by the test
+            results[(name, plan_name)] = {"error": traceback.format_exc()}
+    return results
