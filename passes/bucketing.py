@@ -129,8 +129,9 @@ class BucketCollectives(SpmdPass):
 
     def call(self, gm: fx.GraphModule) -> PassResult:
         buckets = self.buckets(gm)
+        split = getattr(gm.meta.get("spmd_pass_context"), "split_graph", False)
         for kind, nodes in buckets:
-            _MERGE[kind](gm.graph, nodes, **_placement(gm.graph, nodes))
+            _MERGE[kind](gm.graph, nodes, **(_placement(gm.graph, nodes) if split else {}))
         if buckets:
             gm.graph.lint()
             gm.recompile()
@@ -190,10 +191,13 @@ class BucketCollectives(SpmdPass):
 
 
 def _placement(graph: fx.Graph, nodes: list[fx.Node]) -> dict:
-    """Where the merged collective goes: where the last member was (torch's default), unless a
-    member's result is used before that point (a graph that interleaves gathers with their uses, as
-    ``torch.compile``'s forward graphs do); then where the first member was, which every member's
-    input precedes (the bucket is cut at dependencies)."""
+    """Where the merged collective of a split forward or backward graph goes.
+
+    torch's default is where the last member was, after which it sorts the region in between. In the
+    backward graph split from a joint graph, whose re-gathered parameters' uses interleave with the
+    gathers, that sort leaves a use before the bucket's output; the bucket then goes where its first
+    member was, which every member's input precedes (buckets are cut at dependencies).
+    """
     order = {n: i for i, n in enumerate(graph.nodes)}
     last = max(order[n] for n in nodes)
     used_early = any(order[u] < last for n in nodes for u in _wait_of(n).users)

@@ -34,11 +34,14 @@ class PassContext:
     """What a pass may read besides the graph: the mesh, the resolved plan, the traced step.
 
     Set by the pipeline as ``gm.meta["spmd_pass_context"]`` before a stage's passes run.
+    ``split_graph`` is True for the forward and backward graphs split from a joint graph
+    (``torch.compile(backend="spmd")``) and False for a whole step (``spmd.compile``).
     """
 
     mesh: Any
     plan: Any
     traced: Any = None
+    split_graph: bool = False
 
 
 class SpmdPass(PassBase):

@@ -335,10 +335,12 @@ class _GraphCompiler:
             else:
                 users = list(node.users)
                 if not users or not all(_is_from_local(u) for u in users):
+                    other = next((u for u in users if not _is_from_local(u)), node)
                     raise SpmdError(
                         f"torch.compile(backend=\"spmd\"): graph input {node.target} is a plain tensor used by "
-                        f"{[str(u.target) for u in users if not _is_from_local(u)]}; a model from spmd.parallelize "
-                        f"takes plain tensors only as its forward's arguments"
+                        f"{getattr(other.target, '__name__', other.target)}{_source_line(other)}, not by a model from "
+                        f"spmd.parallelize; pass local tensors to the parallelized model and compute on its results "
+                        f"outside the compiled region"
                     )
                 dt = users[0].meta["example_value"]
                 placements = tuple(dt.placements)
@@ -384,8 +386,8 @@ class _GraphCompiler:
 
     # ------------------------------------------------------------------ compile
     def compile(self) -> Callable:
-        slots = self._slots()
         outputs = self._outputs()
+        slots = self._slots()
         diff_outputs = [i for i, o in enumerate(outputs) if o.differentiable]
         grad_inputs = [i for i, s in enumerate(slots) if s.kind == "input" and s.requires_grad]
         joint = bool(diff_outputs)

@@ -253,7 +253,7 @@ def expand_joint(
     (bucketing writes into shared buffers in place) and each pass schedules within one graph.
     """
     step = expand_step(*args, local_passes=(), keep_graphs=keep_graphs, **kwargs)
-    context = PassContext(mesh=kwargs["mesh"], plan=kwargs["plan"], traced=step.traced)
+    context = PassContext(mesh=kwargs["mesh"], plan=kwargs["plan"], traced=step.traced, split_graph=True)
     start = time.perf_counter()
     if num_tangents:
         forward, backward = split_forward_backward(step.local_graph, num_tangents, num_forward_outputs)

@@ -93,7 +93,7 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def run_loop(name: str, plan_name: str, mesh, steps: int, lower: str) -> dict:
+def run_loop(name: str, plan_name: str, mesh, steps: int, lower: str = "eager") -> dict:
     loop = LOOPS[name]
     torch.manual_seed(0)
     model = loop.model()
@@ -106,6 +106,7 @@ def run_loop(name: str, plan_name: str, mesh, steps: int, lower: str) -> dict:
     optimizers = [torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1) for m in (model, reference)]
     schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in optimizers]
     losses, ref_losses, norms, ref_norms = [], [], [], []
+    after_first = None
     for i in range(steps):
         batch = loop.batch(torch.Generator().manual_seed(100 + i))
         local = [local_slice(t, mesh, resolved.batch_placements(t)) for t in batch]
@@ -120,6 +121,13 @@ def run_loop(name: str, plan_name: str, mesh, steps: int, lower: str) -> dict:
             sched.step()
             opt.zero_grad()
             out.append(loss.detach())
+        if i == 0:
+            after_first = stats.graphs_compiled - before
+    # One more backward, left unzeroed: the gradients the eager optimizer would read.
+    loop.loss(compiled, *local).backward()
+    grads_follow_params = all(
+        isinstance(p.grad, DTensor) and p.grad.placements == p.placements for p in model.parameters()
+    )
     return {
         "losses": torch.stack(losses),
         "ref_losses": torch.stack(ref_losses),
@@ -128,15 +136,18 @@ def run_loop(name: str, plan_name: str, mesh, steps: int, lower: str) -> dict:
         "params": {k: _full(v).detach().clone() for k, v in model.named_parameters()},
         "ref_params": {k: v.detach().clone() for k, v in reference.named_parameters()},
         "compilations": stats.graphs_compiled - before,
+        "compilations_after_first_step": after_first,
+        "loss_is_plain": type(losses[0]) is torch.Tensor,
+        "grads_follow_params": grads_follow_params,
     }
 
 
-def run_loops(rank: int, world: int, runs: list[tuple[str, str]], steps: int = 3, lower: str = "eager") -> dict:
-    """Worker: each (loop, plan) on this rank; errors are returned per run, not raised."""
+def run_loops(rank: int, world: int, runs: list[tuple[str, str, str]], steps: int = 3) -> dict:
+    """Worker: each (loop, plan, lower) on this rank; errors are returned per run, not raised."""
     results = {}
-    for name, plan_name in runs:
+    for name, plan_name, lower in runs:
         try:
-            results[(name, plan_name)] = run_loop(name, plan_name, make_mesh(plan_name, world), steps, lower)
+            results[(name, plan_name, lower)] = run_loop(name, plan_name, make_mesh(plan_name, world), steps, lower)
         except Exception:  # noqa: BLE001 - reported per run by the test
-            results[(name, plan_name)] = {"error": traceback.format_exc()}
+            results[(name, plan_name, lower)] = {"error": traceback.format_exc()}
     return results

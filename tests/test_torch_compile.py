@@ -1,0 +1,144 @@
+"""``torch.compile(model, backend="spmd")`` after ``spmd.parallelize``: the user's own training loop.
+
+Parity on real gloo ranks (W=2; 2x2 for FSDP+TP) against one device over the global batch, with an
+LR scheduler and gradient clipping in the loop (tests/compile_cases.py); errors on a fake process group.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.exc import BackendCompilerFailed
+from torch.distributed.device_mesh import init_device_mesh
+
+import compile_cases
+import spmd_expand as spmd
+from spmd_expand.app.launch import run_local
+from spmd_expand.backend import spmd_backend
+
+RTOL, ATOL = 1e-4, 1e-5
+
+RUNS_W2 = [
+    ("gpt", "ddp", "inductor"),
+    ("gpt", "fsdp", "eager"),
+    ("gpt", "tp", "eager"),
+    ("graph_break", "fsdp", "eager"),
+    ("llama", "ddp", "eager"),
+]
+RUNS_W4 = [("gpt", "fsdp+tp", "eager")]
+
+
+@pytest.fixture(scope="module")
+def results_w2():
+    return run_local(compile_cases.run_loops, 2, RUNS_W2, 3, timeout_s=1200)
+
+
+@pytest.fixture(scope="module")
+def results_w4():
+    return run_local(compile_cases.run_loops, 4, RUNS_W4, 3, timeout_s=1200)
+
+
+def _check(per_rank: list[dict], run: tuple) -> None:
+    for rank, res in enumerate(per_rank):
+        r = res[run]
+        assert "error" not in r, f"rank {rank} failed:\n{r['error']}"
+        for k in r["ref_params"]:
+            torch.testing.assert_close(r["params"][k], r["ref_params"][k], rtol=RTOL, atol=ATOL, msg=lambda m: f"param {k}: {m}")
+        # clip_grad_norm_ saw the gradient of the global batch.
+        torch.testing.assert_close(r["norms"], r["ref_norms"], rtol=RTOL, atol=ATOL)
+        assert r["loss_is_plain"], "the compiled model's result should be this rank's local tensor"
+        assert r["grads_follow_params"], "param.grad should be a DTensor with its parameter's placements"
+        # Later steps hit Dynamo's cache: nothing is compiled after the first step.
+        assert r["compilations"] == r["compilations_after_first_step"] > 0
+    # Each rank's loss is its local batch's mean; their mean is the global batch's.
+    mean_loss = torch.stack([res[run]["losses"] for res in per_rank]).mean(0)
+    torch.testing.assert_close(mean_loss, per_rank[0][run]["ref_losses"], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("run", RUNS_W2, ids=lambda r: "-".join(r))
+def test_parity_world2(results_w2, run):
+    _check(results_w2, run)
+
+
+def test_graph_break_compiles_several_graphs(results_w2):
+    # Hooks, the forward before the break and after it: more graphs than the model without a break.
+    assert results_w2[0][("graph_break", "fsdp", "eager")]["compilations"] > results_w2[0][("gpt", "fsdp", "eager")]["compilations"]
+
+
+@pytest.mark.parametrize("run", RUNS_W4, ids=lambda r: "-".join(r))
+def test_parity_2d(results_w4, run):
+    _check(results_w4, run)
+
+
+def test_backend_is_registered_by_entry_point():
+    found = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="torch_dynamo_backends")}
+    assert found.get("spmd") == "spmd_expand.backend:spmd_backend"
+    from torch._dynamo.backends.registry import lookup_backend
+
+    assert lookup_backend("spmd") is spmd_backend
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+
+
+def _backend_error(fn, *args) -> spmd.SpmdError:
+    torch._dynamo.reset()
+    with pytest.raises(BackendCompilerFailed) as info:
+        fn(*args)
+    error = info.value.inner_exception
+    assert isinstance(error, spmd.SpmdError), repr(error)
+    return error
+
+
+def test_unknown_option_is_named(fake_mesh):
+    plan = spmd.DDP()
+    model = spmd.parallelize(_mlp(), fake_mesh, plan)
+    compiled = torch.compile(model, backend="spmd", options={"mesh": fake_mesh, "plan": plan, "bucket_mb": 4})
+    error = _backend_error(compiled, torch.randn(2, 8))
+    assert "bucket_mb" in str(error) and "passes" in str(error)
+
+
+def test_mesh_mismatch_is_named(fake_mesh):
+    plan = spmd.DDP()
+    model = spmd.parallelize(_mlp(), fake_mesh, plan)
+    other = init_device_mesh("cpu", (4,))
+    compiled = torch.compile(model, backend="spmd", options={"mesh": other, "plan": plan})
+    assert "'mesh'" in str(_backend_error(compiled, torch.randn(2, 8)))
+
+
+def test_eager_call_of_parallelized_model_raises(fake_mesh):
+    model = spmd.parallelize(_mlp(), fake_mesh, spmd.DDP())
+    with pytest.raises(spmd.SpmdError, match="torch.compile"):
+        model(torch.randn(2, 8))
+
+
+def test_compute_on_local_result_inside_compiled_region_raises(fake_mesh):
+    plan = spmd.DDP()
+    model = spmd.parallelize(_mlp(), fake_mesh, plan)
+
+    def loss_fn(x, y):  # the loss of a local tensor, inside the compiled region: a per-rank value
+        return F.cross_entropy(model(x), y)
+
+    compiled = torch.compile(loss_fn, backend="spmd", options={"mesh": fake_mesh, "plan": plan})
+    error = _backend_error(compiled, torch.randn(2, 8), torch.randint(0, 4, (2,)))
+    assert "to_local" in str(error) and "loss outside" in str(error)
+
+
+def test_parameters_become_dtensors_with_the_plan(fake_mesh):
+    plan = spmd.FSDP()
+    model = spmd.parallelize(_mlp(), fake_mesh, plan)
+    weight = model[0].weight
+    assert isinstance(weight, torch.distributed.tensor.DTensor)
+    assert weight.shape == (16, 8) and weight.to_local().shape == (4, 8)
+    assert spmd.parallelize(model, fake_mesh, plan) is model  # idempotent
+    with pytest.raises(spmd.SpmdError, match="already parallelized"):
+        spmd.parallelize(model, fake_mesh, spmd.DDP())
