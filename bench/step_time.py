@@ -7,7 +7,10 @@ same global batch split over 2 local CPU ranks (one intra-op thread each):
 * ``spmd_ddp_nopasses`` / ``spmd_fsdp_nopasses``: the same with ``passes=[]``;
 * ``torch_ddp``: ``DistributedDataParallel`` eager (default buckets);
 * ``torch_fsdp2``: ``fully_shard`` on each block and the root, eager;
+* ``spmd_backend_ddp`` / ``spmd_backend_fsdp``: ``spmd.parallelize`` then ``torch.compile(model,
+  backend="spmd")`` (Inductor, default passes), with the eager optimizer: the user's own loop;
 * ``torch_compile_ddp``: ``torch.compile`` of the DDP module (DDPOptimizer splits the graph at buckets);
+* ``torch_compile_fsdp2``: ``torch.compile`` of the ``fully_shard`` model;
 * ``local_floor``: one process over the *local* batch, no communication: the compute floor (a rank
   cannot step faster than its own compute; hidden communication reaches it).
 
@@ -74,6 +77,14 @@ def _variants(base, config, rank):
             mesh = preset_mesh(plan_name, (WORLD,), "cpu")
             step = spmd.compile(mesh=mesh, plan=preset(plan_name).build(model), passes=passes)(language_model_step)
             variants[f"spmd_{plan_name}{suffix}"] = ((lambda s=step, m=model, o=optimizer: s(m, o, xl, yl)), step)
+    for plan_name in ("ddp", "fsdp"):
+        model = copy.deepcopy(base)
+        mesh = preset_mesh(plan_name, (WORLD,), "cpu")
+        plan = preset(plan_name).build(model)
+        spmd.parallelize(model, mesh, plan)
+        compiled = torch.compile(model, backend="spmd", options={"mesh": mesh, "plan": plan})
+        optimizer = _optimizer(model)
+        variants[f"spmd_backend_{plan_name}"] = ((lambda m=compiled, o=optimizer: _eager_step(m, o, xl, yl)), None)
     model = copy.deepcopy(base)
     ddp = DistributedDataParallel(model)
     optimizer = _optimizer(ddp)
@@ -88,6 +99,13 @@ def _variants(base, config, rank):
     compiled = torch.compile(DistributedDataParallel(model))
     optimizer = _optimizer(model)
     variants["torch_compile_ddp"] = ((lambda m=compiled, o=optimizer: _eager_step(m, o, xl, yl)), None)
+    model = copy.deepcopy(base)
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    compiled = torch.compile(model)
+    optimizer = _optimizer(model)
+    variants["torch_compile_fsdp2"] = ((lambda m=compiled, o=optimizer: _eager_step(m, o, xl, yl)), None)
     model = copy.deepcopy(base)
     optimizer = _optimizer(model)
     variants["local_floor"] = ((lambda m=model, o=optimizer: _eager_step(m, o, xl, yl)), None)
@@ -127,7 +145,7 @@ def worker(rank: int, world: int, config_name: str, rounds: int) -> dict:
         result["variants"][name] = entry
     medians = {n: v["median_ms"] for n, v in result["variants"].items()}
     for name, entry in result["variants"].items():
-        for baseline in ("torch_ddp", "torch_fsdp2", "local_floor"):
+        for baseline in ("torch_ddp", "torch_fsdp2", "local_floor", "spmd_ddp", "spmd_fsdp"):
             entry[f"ratio_to_{baseline}"] = medians[name] / medians[baseline]
     return result
 

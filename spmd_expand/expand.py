@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 import torch.distributed._functional_collectives as funcol
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
@@ -97,6 +97,41 @@ def _strided_to_replicate(src: DTensorSpec, dst: DTensorSpec) -> Optional[Callab
     return fn
 
 
+def _rescale_partial(src: DTensorSpec, dst: DTensorSpec) -> Optional[Callable]:
+    """A redistribution that turns ``Partial("sum")`` into ``Partial("avg")`` (or back) on some mesh
+    dims, which DTensor's planner refuses: scale the local value by size (or 1/size) there, then let
+    DTensor do whatever else changes. None when no mesh dim needs it.
+
+    Arises where a graph must return the placement eager DTensor produced (a loss DTensor computes as
+    ``Partial("avg")``) for a value propagation left as ``Partial("sum")``.
+    """
+    factor, changed = 1.0, False
+    for m, (a, b) in enumerate(zip(src.placements, dst.placements)):
+        if type(a) is Partial and type(b) is Partial and a.reduce_op != b.reduce_op:
+            ops = (a.reduce_op, b.reduce_op)
+            # The value of Partial("sum") is the sum of the locals, of Partial("avg") their mean.
+            if ops == ("sum", "avg"):
+                factor *= src.mesh.size(m)
+            elif ops == ("avg", "sum"):
+                factor /= src.mesh.size(m)
+            else:
+                return None
+            changed = True
+    if not changed:
+        return None
+    middle = DTensorSpec(
+        src.mesh,
+        tuple(b if type(a) is Partial and type(b) is Partial else a for a, b in zip(src.placements, dst.placements)),
+        tensor_meta=src.tensor_meta,
+    )
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        t = t * factor
+        return t if middle.placements == dst.placements else redistribute_local_tensor(t, middle, dst)
+
+    return fn
+
+
 def _masks(spec: DTensorSpec) -> list:
     return [p for p in spec.placements if isinstance(p, _MaskPartial)]
 
@@ -140,6 +175,8 @@ class RedistributeCache:
                 gm = make_fx(fn, tracing_mode="fake")(example)
             elif (strided := _strided_to_replicate(src, dst)) is not None:
                 gm = make_fx(strided, tracing_mode="fake")(example)
+            elif (rescale := _rescale_partial(src, dst)) is not None:
+                gm = make_fx(rescale, tracing_mode="fake")(example)
             else:
                 gm = make_fx(lambda t: redistribute_local_tensor(t, src, dst), tracing_mode="fake")(example)
             self._graphs[key] = gm

@@ -43,6 +43,11 @@ def _lm_loss(model, idx, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def _lm_loss_inside(model, idx, targets):
+    """The model computes its loss itself (as HuggingFace models do given labels): the global mean."""
+    return model(idx, targets)
+
+
 class BreakMLP(nn.Module):
     """An MLP whose forward has a graph break in the middle (a print Dynamo cannot trace)."""
 
@@ -84,6 +89,7 @@ def _llama_loss(model, idx, labels):
 
 LOOPS = {
     "gpt": Loop(lambda: build_gpt(GPT_CONFIG, seed=0), _tokens, _lm_loss, GPT_TP),
+    "gpt_loss_inside": Loop(lambda: build_gpt(GPT_CONFIG, seed=0), _tokens, _lm_loss_inside, GPT_TP),
     "graph_break": Loop(lambda: torch.manual_seed(0) and BreakMLP(), _xy, _ce),
     "llama": Loop(_llama, _llama_tokens, _llama_loss),
 }

@@ -26,6 +26,7 @@ RUNS_W2 = [
     ("gpt", "ddp", "inductor"),
     ("gpt", "fsdp", "eager"),
     ("gpt", "tp", "eager"),
+    ("gpt_loss_inside", "fsdp", "eager"),
     ("graph_break", "fsdp", "eager"),
     ("llama", "ddp", "eager"),
 ]
