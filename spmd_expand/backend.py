@@ -100,12 +100,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> nn.Module:
                 module._buffers[name] = distribute_tensor(buf, mesh, replicate(mesh))
 
     def inputs_to_dtensor(module, args, kwargs):
-        if not torch.compiler.is_compiling():
-            raise SpmdError(
-                "a model from spmd.parallelize ran eagerly; run it as torch.compile(model, backend=\"spmd\", "
-                "options={\"mesh\": mesh, \"plan\": plan}) (eager DTensor execution would sum, not average, "
-                "the data-parallel ranks' gradients)"
-            )
+        _require_compiling()
         return pytree.tree_map_only(
             torch.Tensor,
             lambda t: t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, resolved.batch_placements(t), run_check=False),
@@ -113,6 +108,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> nn.Module:
         )
 
     def outputs_to_local(module, args, kwargs, output):
+        _require_compiling()
         return pytree.tree_map_only(
             DTensor, lambda t: t.redistribute(mesh, resolved.batch_placements(t)).to_local(), output
         )
@@ -122,6 +118,22 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> nn.Module:
     _PARALLELIZED[model] = _Parallelized(mesh, plan, resolved)
     _replicate_plain_tensors_while_tracing()
     return model
+
+
+def _require_compiling() -> None:
+    """The hooks run only inside a graph Dynamo captures (and our backend compiles).
+
+    Run eagerly (no ``torch.compile``, or Dynamo falling back to eager for a frame after its recompile
+    limit), ``to_local`` would give each rank's loss a gradient summed over the data-parallel ranks
+    instead of averaged: refuse.
+    """
+    if not torch.compiler.is_compiling():
+        raise SpmdError(
+            "a model from spmd.parallelize ran eagerly; run it as torch.compile(model, backend=\"spmd\", "
+            "options={\"mesh\": mesh, \"plan\": plan}). If it is compiled: Dynamo ran a frame eagerly, e.g. "
+            "after torch._dynamo.config.recompile_limit recompilations of it (raise the limit); eager DTensor "
+            "execution would sum, not average, the data-parallel ranks' gradients"
+        )
 
 
 _implicit_replication_installed = False
