@@ -20,7 +20,7 @@ After warm-up (compilation), ``--rounds`` rounds run one step of every variant e
 interleaved order after a barrier, so every variant sees the same machine load; times are medians
 (p10/p90 too) of rank 0's wall time per step. Prints one JSON object: per config, per variant the
 times, the ratios to torch_ddp / torch_fsdp2 / local_floor, and the collectives per step of the spmd
-variants. Run: ``python bench/step_time.py [--config demo|large|both] [--rounds 20]``.
+variants. Run: ``python bench/step_time.py [--config demo|large|both] [--rounds 20] [--only a,b]``.
 """
 
 from __future__ import annotations
@@ -107,7 +107,10 @@ def _variants(base, config, rank):
     return variants
 
 
-def worker(rank: int, world: int, config_name: str, rounds: int) -> dict:
+BASELINES = ("torch_ddp", "torch_fsdp2", "local_floor", "spmd_ddp", "spmd_fsdp")
+
+
+def worker(rank: int, world: int, config_name: str, rounds: int, only: tuple = ()) -> dict:
     # Several copies of the same GPT are compiled in this process: Dynamo's per-code-object recompile
     # limit (8) would otherwise send later copies' frames to eager.
     torch._dynamo.config.recompile_limit = 64
@@ -116,6 +119,8 @@ def worker(rank: int, world: int, config_name: str, rounds: int) -> dict:
     gpt = GPTConfig(**{k: config[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")})
     base = build_gpt(gpt, seed=0)
     variants = _variants(base, config, rank)
+    if only:
+        variants = {k: v for k, v in variants.items() if k in set(only) | set(BASELINES)}
     warmup_s = {}
     for name, (run, _) in variants.items():
         start = time.perf_counter()
@@ -144,7 +149,7 @@ def worker(rank: int, world: int, config_name: str, rounds: int) -> dict:
         result["variants"][name] = entry
     medians = {n: v["median_ms"] for n, v in result["variants"].items()}
     for name, entry in result["variants"].items():
-        for baseline in ("torch_ddp", "torch_fsdp2", "local_floor", "spmd_ddp", "spmd_fsdp"):
+        for baseline in BASELINES:
             entry[f"ratio_to_{baseline}"] = medians[name] / medians[baseline]
     return result
 
@@ -153,11 +158,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=("demo", "large", "both"), default="both")
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--only", default="", help="comma-separated variants to run (the baselines always run)")
     args = parser.parse_args()
     names = ("demo", "large") if args.config == "both" else (args.config,)
     out = {"world_size": WORLD, "threads_per_rank": 1, "torch": torch.__version__}
     for name in names:
-        out[name] = run_local(worker, WORLD, name, args.rounds, timeout_s=3600)[0]
+        only = tuple(v for v in args.only.split(",") if v)
+        out[name] = run_local(worker, WORLD, name, args.rounds, only, timeout_s=3600)[0]
     print(json.dumps(out, indent=2))
 
 

@@ -571,11 +571,12 @@ class _Runtime:
         return list(self._backward(*inputs))
 
     def __call__(self, *args: Any) -> tuple:
-        tensors = [args[i].to_local() if isinstance(args[i], DTensor) else args[i] for i in self.tensor_positions]
+        tensors = [args[i] for i in self.tensor_positions]
         if self.joint:
+            # DTensors go in as they are: one autograd node for the graph, not one to_local per parameter.
             results = _SpmdFunction.apply(self, *tensors)
         else:
-            results = self.run_forward(tensors)
+            results = self.run_forward([t._local_tensor if isinstance(t, DTensor) else t for t in tensors])
         return tuple(self._wrap(value, out) for value, out in zip(results, self.outputs))
 
     def _wrap(self, value: torch.Tensor, out: _Output) -> torch.Tensor:
@@ -589,7 +590,8 @@ class _SpmdFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, runtime: _Runtime, *tensors: torch.Tensor):
-        results = runtime.run_forward(tensors)
+        ctx.specs = [t._spec if isinstance(t, DTensor) else None for t in tensors]
+        results = runtime.run_forward([t._local_tensor if isinstance(t, DTensor) else t for t in tensors])
         n = len(runtime.outputs)
         outs = tuple(results[:n])
         ctx.runtime = runtime
@@ -610,4 +612,12 @@ class _SpmdFunction(torch.autograd.Function):
             tangents.append(torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous())
         saved, ctx.saved = ctx.saved, None
         results = runtime.run_backward([*saved, *tangents])
-        return (None, *[None if k is None else results[k] for k in runtime.grad_index])
+        grads = []
+        for k, spec in zip(runtime.grad_index, ctx.specs):
+            if k is None:
+                grads.append(None)
+            elif spec is None:
+                grads.append(results[k])
+            else:  # the gradient of a DTensor input: this rank's shard, with the input's placements
+                grads.append(DTensor(results[k], spec, requires_grad=False))
+        return (None, *grads)

@@ -30,7 +30,7 @@ class Loop:
     model: Callable[[], nn.Module]
     batch: Callable[[torch.Generator], tuple]
     loss: Callable[..., torch.Tensor]  # loss(model_callable, *batch) -> scalar
-    tp: dict | None = None
+    tp: dict | Callable[[nn.Module], dict] | None = None  # a TP plan, or how to read one from the model
 
 
 def _tokens(g):
@@ -91,7 +91,7 @@ LOOPS = {
     "gpt": Loop(lambda: build_gpt(GPT_CONFIG, seed=0), _tokens, _lm_loss, GPT_TP),
     "gpt_loss_inside": Loop(lambda: build_gpt(GPT_CONFIG, seed=0), _tokens, _lm_loss_inside, GPT_TP),
     "graph_break": Loop(lambda: torch.manual_seed(0) and BreakMLP(), _xy, _ce),
-    "llama": Loop(_llama, _llama_tokens, _llama_loss),
+    "llama": Loop(_llama, _llama_tokens, _llama_loss, lambda m: spmd.TensorParallel.from_huggingface(m).plan),
 }
 
 
@@ -104,7 +104,7 @@ def run_loop(name: str, plan_name: str, mesh, steps: int, lower: str = "eager") 
     torch.manual_seed(0)
     model = loop.model()
     reference = copy.deepcopy(model)
-    plan = PLANS[plan_name][1](loop.tp)
+    plan = PLANS[plan_name][1](loop.tp(model) if callable(loop.tp) else loop.tp)
     before = stats.graphs_compiled
     spmd.parallelize(model, mesh, plan)
     resolved = resolve_plan(plan, mesh, reference)
