@@ -32,6 +32,7 @@ compiled graph returns exactly those placements.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import weakref
@@ -45,7 +46,9 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
+from . import ops
 from .api import distribute_state
+from .boundaries import encode_placement, mark_boundaries
 from .errors import SpmdError, TraceError
 from .expand import RedistributeCache
 from .lower import LOWERINGS, lower as lower_graph
@@ -66,6 +69,7 @@ class _Parallelized:
     mesh: DeviceMesh
     plan: Plan
     resolved: ResolvedPlan
+    boundaries: Any = None  # the module-boundary hooks (kept for the model's life)
 
 
 _PARALLELIZED: "weakref.WeakKeyDictionary[nn.Module, _Parallelized]" = weakref.WeakKeyDictionary()
@@ -115,7 +119,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> nn.Module:
 
     model.register_forward_pre_hook(inputs_to_dtensor, with_kwargs=True)
     model.register_forward_hook(outputs_to_local, with_kwargs=True)
-    _PARALLELIZED[model] = _Parallelized(mesh, plan, resolved)
+    # Tensor-parallel module boundaries: the styles' redistributions, as torch's own hooks do them.
+    boundaries = contextlib.ExitStack()
+    boundaries.enter_context(mark_boundaries(model, resolved.module_layouts()))
+    _PARALLELIZED[model] = _Parallelized(mesh, plan, resolved, boundaries)
     _replicate_plain_tensors_while_tracing()
     return model
 
@@ -297,7 +304,12 @@ def _source_line(node: fx.Node) -> str:
 
 
 class _GlobalView(fx.Interpreter):
-    """Run a Dynamo graph of DTensor code on plain global tensors: the single-device program."""
+    """Run a Dynamo graph of DTensor code on plain global tensors: the single-device program.
+
+    ``from_local``/``to_local`` are identities. A ``redistribute`` (a tensor-parallel style's module
+    boundary, the batch layout of a result) becomes ``spmd_expand::layout`` markers, one per mesh dim
+    it brings to ``Replicate``/``Shard``, so propagation honours it as in ``spmd.compile``.
+    """
 
     def call_function(self, target, args, kwargs):
         if target is DTensor.from_local:
@@ -305,9 +317,23 @@ class _GlobalView(fx.Interpreter):
         return super().call_function(target, args, kwargs)
 
     def call_method(self, target, args, kwargs):
-        if target in ("redistribute", "to_local", "full_tensor"):
+        if target in ("to_local", "full_tensor"):
             return args[0]
+        if target == "redistribute":
+            value = args[0]
+            placements = kwargs.get("placements", args[2] if len(args) > 2 else None)
+            before = self._node.args[0].meta["example_value"].placements
+            for mesh_dim, placement in enumerate(placements or ()):
+                # Only the mesh dims it changes (a marker elsewhere could split e.g. a vocab-parallel
+                # embedding's masked partial sum from its mask).
+                if type(placement) in (Replicate, Shard) and placement != before[mesh_dim]:
+                    value = ops.layout(value, mesh_dim, encode_placement(placement, "redistribute"))
+            return value
         return super().call_method(target, args, kwargs)
+
+    def run_node(self, n: fx.Node) -> Any:
+        self._node = n
+        return super().run_node(n)
 
 
 class _GraphCompiler:

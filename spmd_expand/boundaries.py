@@ -22,7 +22,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import ops
@@ -168,6 +168,14 @@ def _mark(value: Any, marks: Sequence[tuple[int, Placement]], what: str, output:
         return value
     if not isinstance(value, torch.Tensor):
         raise TraceError(f"{what} is a {type(value).__name__}, but the plan gives it a layout; give it None in the style")
+    if isinstance(value, DTensor):
+        # A model from spmd.parallelize, traced by Dynamo: the style's own redistribution, which the
+        # spmd backend reads back as these markers (spmd_expand.backend).
+        placements = list(value.placements)
+        for mesh_dim, placement in marks:
+            encode_placement(placement, what)
+            placements[mesh_dim] = Shard(placement.dim % value.ndim) if isinstance(placement, Shard) else placement
+        return value.redistribute(placements=placements)
     for mesh_dim, placement in marks:
         encoded = encode_placement(placement, what)
         # An output's gradient comes back in the output's layout, as the backward of the style's
