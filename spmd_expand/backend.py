@@ -337,6 +337,10 @@ class _GlobalView(fx.Interpreter):
 
 
 class _GraphCompiler:
+    """Compile one Dynamo graph: read its inputs and outputs (``_slots``, ``_outputs``), build the
+    roles/specs/placements our stages take, run them (:func:`~spmd_expand.pipeline.expand_joint`)
+    and wrap the result in a :class:`_Runtime`."""
+
     def __init__(self, gm, example_inputs, model, info, global_passes, local_passes, lower):
         self.gm = gm
         self.example_inputs = example_inputs
