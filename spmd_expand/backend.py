@@ -17,7 +17,7 @@ one such graph as the single-device program it describes: ``from_local``/``redis
 backward together (the joint graph, as AOTAutograd does; :func:`spmd_expand.trace.trace_step`) with the
 placements of the graph's DTensor inputs, propagates and expands it (collectives spliced in, gradients
 reduced per the plan), runs the local passes, splits it into forward and backward
-(``torch._functorch.partitioners.default_partition``) and lowers each with Inductor. The result is an
+(AOTAutograd's ``min_cut_rematerialization_partition``) and lowers each with Inductor. The result is an
 ``autograd.Function`` over local tensors: parameter gradients come back as DTensors with the
 parameters' placements, so ``param.grad`` is what the eager optimizer expects.
 
