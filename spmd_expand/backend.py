@@ -533,7 +533,8 @@ def _joint_step(gm, slots, example_inputs, outputs, diff_outputs, grad_inputs) -
             return results + [None] * len(leaves)
         # torch.autograd.grad, not backward(): gradients are returned as computed, without
         # AccumulateGrad's copies into the leaves' layouts.
-        trainable = [p for p in params.values() if p.requires_grad]
+        # Only this graph's parameters (the model's others are not traced here and keep their .grad).
+        trainable = [params[s.fqn] for s in slots if s.kind == "param" and params[s.fqn].requires_grad]
         grads = torch.autograd.grad(
             [results[i] for i in diff_outputs],
             trainable + leaves,
@@ -541,7 +542,8 @@ def _joint_step(gm, slots, example_inputs, outputs, diff_outputs, grad_inputs) -
             allow_unused=True,
         )
         for p, g in zip(trainable, grads):
-            p.grad = g
+            if g is not None:
+                p.grad = g
         return results + list(grads[len(trainable):])
     return step
 
