@@ -70,6 +70,15 @@ def _ce(model, x, y):
     return F.cross_entropy(model(x), y)
 
 
+def _two_shapes_accumulated(model, x, y):
+    """Gradient accumulation over micro-batches of 3 and 1 rows per rank (of a 4-row local batch):
+    the second compiles new graphs after the first's backward has filled ``.grad``."""
+    first = lambda t: t.unflatten(0, (-1, 4))[:, :3].flatten(0, 1)  # noqa: E731
+    second = lambda t: t.unflatten(0, (-1, 4))[:, 3:].flatten(0, 1)  # noqa: E731
+    (F.cross_entropy(model(first(x)), first(y)) * 0.75).backward()
+    return F.cross_entropy(model(second(x)), second(y)) * 0.25
+
+
 def _llama():
     import tp_cases
 
@@ -91,6 +100,7 @@ LOOPS = {
     "gpt": Loop(lambda: build_gpt(GPT_CONFIG, seed=0), _tokens, _lm_loss, GPT_TP),
     "gpt_loss_inside": Loop(lambda: build_gpt(GPT_CONFIG, seed=0), _tokens, _lm_loss_inside, GPT_TP),
     "graph_break": Loop(lambda: torch.manual_seed(0) and BreakMLP(), _xy, _ce),
+    "graph_break_accumulate": Loop(lambda: torch.manual_seed(0) and BreakMLP(), _xy, _two_shapes_accumulated),
     "llama": Loop(_llama, _llama_tokens, _llama_loss, lambda m: spmd.TensorParallel.from_huggingface(m).plan),
 }
 

@@ -28,6 +28,7 @@ RUNS_W2 = [
     ("gpt", "tp", "eager"),
     ("gpt_loss_inside", "fsdp", "eager"),
     ("graph_break", "fsdp", "eager"),
+    ("graph_break_accumulate", "ddp", "eager"),
     ("llama", "ddp", "eager"),
 ]
 RUNS_W4 = [("gpt", "fsdp+tp", "eager")]
