@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -54,7 +55,7 @@ from .expand import RedistributeCache
 from .lower import LOWERINGS, lower as lower_graph
 from .passes import resolve_passes
 from .pipeline import JointArtifacts, expand_joint
-from .plans import Plan, ResolvedPlan, _DataParallel, resolve_plan
+from .plans import Plan, ResolvedPlan, TensorParallel, _DataParallel, resolve_plan
 from .spec import replicate
 from .trace import InputRole, TensorSpec, TracedStep
 
@@ -86,11 +87,17 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> nn.Module:
 
     The model must then run under ``torch.compile(..., backend="spmd")``: run eagerly, the hooks raise
     (eager DTensor execution would sum, not average, the ranks' gradients).
+    Parameters stored sharded (FSDP) are read in their compute placements while Dynamo traces
+    (:func:`_read_parameters_in_compute_placements`; each such module's class becomes a subclass).
+
+    ``torch._dynamo.reset()`` drops the compile callbacks this installs: call ``parallelize`` again
+    (on the same model, with the same mesh and plan) after it.
 
     Raises:
         PlanError: ``plan`` does not fit ``model`` (from :func:`~spmd_expand.plans.resolve_plan`).
         SpmdError: ``model`` is already parallelized for another mesh or plan.
     """
+    _replicate_plain_tensors_while_tracing()
     known = _PARALLELIZED.get(model)
     if known is not None:
         if known.mesh is not mesh or known.plan is not plan:
@@ -117,14 +124,67 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> nn.Module:
             DTensor, lambda t: t.redistribute(mesh, resolved.batch_placements(t)).to_local(), output
         )
 
+    _read_parameters_in_compute_placements(model, resolved)
+    _warn_about_kv_cache(model, resolved)
     model.register_forward_pre_hook(inputs_to_dtensor, with_kwargs=True)
     model.register_forward_hook(outputs_to_local, with_kwargs=True)
     # Tensor-parallel module boundaries: the styles' redistributions, as torch's own hooks do them.
     boundaries = contextlib.ExitStack()
     boundaries.enter_context(mark_boundaries(model, resolved.module_layouts()))
     _PARALLELIZED[model] = _Parallelized(mesh, plan, resolved, boundaries)
-    _replicate_plain_tensors_while_tracing()
     return model
+
+
+def _read_parameters_in_compute_placements(model: nn.Module, resolved: ResolvedPlan) -> None:
+    """While Dynamo traces, a parameter stored sharded (FSDP) is read in its compute placements.
+
+    Dynamo captures the model by running its DTensor code on fake tensors. On a parameter in its
+    storage placements (``Shard(0)`` on the data-parallel dim), DTensor's eager rules pick layouts
+    FSDP would never use (a Linear's output split on features over the data-parallel dim too) and
+    can fail outright (a view that splits attention heads over both dims of a 2-D mesh). As
+    SimpleFSDP does (Zhang et al., 2024, "SimpleFSDP: Simpler Fully Sharded Data Parallel with
+    torch.compile"), each such parameter is read through a property of the module's class that
+    redistributes it to its compute placements; outside compilation the property returns the
+    parameter itself. The parameter stays registered where it was: the same FQNs, ``state_dict``
+    and optimizer. In our own graph the redistribution is an identity (:class:`_GlobalView`): the
+    plan's ``unshard`` places the parameter, as in ``spmd.compile``.
+    """
+    fqn_of = {id(p): fqn for fqn, p in model.named_parameters()}
+    for module in model.modules():
+        views = {}
+        for name, param in module._parameters.items():
+            if param is None or id(param) not in fqn_of:
+                continue
+            compute = resolved.compute_placements(fqn_of[id(param)], param)
+            if tuple(param.placements) != compute:
+                views[name] = _compute_view(name, compute)
+        if views:
+            cls = type(module)
+            module.__class__ = type(cls.__name__, (cls,), {**views, "__module__": cls.__module__})
+
+
+def _warn_about_kv_cache(model: nn.Module, resolved: ResolvedPlan) -> None:
+    """HuggingFace models build a KV cache in forward by ``torch.cat`` onto an empty plain tensor;
+    DTensor's ``cat`` rule (which Dynamo runs while capturing) cannot place that tensor next to
+    head-sharded keys and fails with "Dimension out of range". ``spmd.compile`` handles it."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False) and any(isinstance(s, TensorParallel) for s in resolved.styles):
+        warnings.warn(
+            "spmd.parallelize: model.config.use_cache is True under tensor parallelism; torch.compile(backend=\"spmd\") "
+            "cannot capture the KV cache HuggingFace builds in forward. Training does not need it: set "
+            "model.config.use_cache = False or call the model with use_cache=False",
+            stacklevel=2,
+        )
+
+
+def _compute_view(name: str, placements: tuple) -> property:
+    def read(module: nn.Module) -> torch.Tensor:
+        param = module._parameters[name]
+        if torch.compiler.is_compiling():
+            return param.redistribute(param.device_mesh, placements)
+        return param
+
+    return property(read)
 
 
 def _require_compiling() -> None:
@@ -143,9 +203,6 @@ def _require_compiling() -> None:
         )
 
 
-_implicit_replication_installed = False
-
-
 def _replicate_plain_tensors_while_tracing() -> None:
     """While Dynamo traces, a plain tensor meeting a DTensor is taken as replicated, and shapes stay static.
 
@@ -156,28 +213,32 @@ def _replicate_plain_tensors_while_tracing() -> None:
     :func:`parallelize`'s hook with its real placements. Dynamo's automatic dynamic shapes are off
     during compilations too: ``nn.Module.__call__`` is one code object for every module, so a second
     model (or a new batch shape) would otherwise make sizes symbolic, which the stages do not take.
+
+    Idempotent; ``torch._dynamo.reset()`` drops the callbacks, and the next :func:`parallelize` call
+    installs them again.
     """
-    global _implicit_replication_installed
-    if _implicit_replication_installed:
-        return
     from torch._dynamo.callback import callback_handler
 
-    previous: list[tuple[bool, bool]] = []
+    if _on_compile_start in callback_handler.start_callbacks:
+        return
+    callback_handler.register_start_callback(_on_compile_start)
+    callback_handler.register_end_callback(_on_compile_end)
 
-    def start(_args) -> None:
-        previous.append((torch._C._get_dtensor_allow_implicit_replication(), torch._dynamo.config.automatic_dynamic_shapes))
-        torch._C._set_dtensor_allow_implicit_replication(True)
-        # Our stages compile static shapes: a new shape is a new graph, never a symbolic size.
-        torch._dynamo.config.automatic_dynamic_shapes = False
 
-    def end(_args) -> None:
-        implicit, automatic = previous.pop() if previous else (False, True)
-        torch._C._set_dtensor_allow_implicit_replication(implicit)
-        torch._dynamo.config.automatic_dynamic_shapes = automatic
+_SAVED_TRACING_FLAGS: list[tuple[bool, bool]] = []
 
-    callback_handler.register_start_callback(start)
-    callback_handler.register_end_callback(end)
-    _implicit_replication_installed = True
+
+def _on_compile_start(_args) -> None:
+    _SAVED_TRACING_FLAGS.append((torch._C._get_dtensor_allow_implicit_replication(), torch._dynamo.config.automatic_dynamic_shapes))
+    torch._C._set_dtensor_allow_implicit_replication(True)
+    # Our stages compile static shapes: a new shape is a new graph, never a symbolic size.
+    torch._dynamo.config.automatic_dynamic_shapes = False
+
+
+def _on_compile_end(_args) -> None:
+    implicit, automatic = _SAVED_TRACING_FLAGS.pop() if _SAVED_TRACING_FLAGS else (False, True)
+    torch._C._set_dtensor_allow_implicit_replication(implicit)
+    torch._dynamo.config.automatic_dynamic_shapes = automatic
 
 
 # ---------------------------------------------------------------------------------------------- backend
@@ -321,6 +382,9 @@ class _GlobalView(fx.Interpreter):
             return args[0]
         if target == "redistribute":
             value = args[0]
+            if self._node.args[0] in self.parameters:
+                return value  # a parameter read in its compute placements: ``unshard`` places it
+
             placements = kwargs.get("placements", args[2] if len(args) > 2 else None)
             before = self._node.args[0].meta["example_value"].placements
             for mesh_dim, placement in enumerate(placements or ()):
@@ -330,6 +394,10 @@ class _GlobalView(fx.Interpreter):
                     value = ops.layout(value, mesh_dim, encode_placement(placement, "redistribute"))
             return value
         return super().call_method(target, args, kwargs)
+
+    def __init__(self, gm: fx.GraphModule, parameters: frozenset):
+        super().__init__(gm)
+        self.parameters = parameters  # the placeholders of the model's parameters
 
     def run_node(self, n: fx.Node) -> Any:
         self._node = n
@@ -528,7 +596,9 @@ def _joint_step(gm, slots, example_inputs, outputs, diff_outputs, grad_inputs) -
                 values.append(value)
             else:
                 values.append(example)
-        results = list(_GlobalView(gm).run(*values))
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        parameters = frozenset(n for n, slot in zip(placeholders, slots) if slot.kind == "param")
+        results = list(_GlobalView(gm, parameters).run(*values))
         if not tangents:
             return results + [None] * len(leaves)
         # torch.autograd.grad, not backward(): gradients are returned as computed, without

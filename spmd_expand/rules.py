@@ -12,7 +12,9 @@
   do not depend on whether the op writes in place.
 * ``_scaled_dot_product_flash_attention_for_cpu`` (what SDPA runs on CPU) and its backward: the
   strategies DTensor has for the CUDA flash kernels (torch/distributed/tensor/_ops/_matrix_ops.py):
-  all replicated, sharded on the batch dim, or sharded on the head dim (tensor parallel).
+  all replicated, sharded on the batch dim, or sharded on the head dim (tensor parallel). Its
+  keyword-only ``attn_mask`` follows the query where it spans the split dim (DTensor redistributes
+  positional arguments only).
 * The functional fused optimizers (``_fused_adam``, ``_fused_adamw``, ``_fused_sgd``), which DTensor's
   rule rejects in torch 2.13 (it expects a flat list of outputs): element i of every tensor list takes
   the placement of parameter i; outputs mirror the updated lists.
@@ -45,6 +47,7 @@ A rule takes ``(node, propagator)`` and returns a ``NodeSharding``, or None to d
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from typing import Any, Callable, Optional
 
@@ -102,6 +105,8 @@ FACTORY_OPS = frozenset(
         aten.arange.default,
         aten.arange.start,
         aten.arange.start_step,
+        aten.eye.default,
+        aten.eye.m,
     }
 )
 NEW_FACTORY_OPS = frozenset({aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default})
@@ -201,6 +206,8 @@ def factory_rule(node: fx.Node, prop):
             sizes = [None]
     elif node.target is aten.scalar_tensor.default:
         sizes = []
+    elif node.target in (aten.eye.default, aten.eye.m):
+        sizes = [None, None]  # an identity is not split: its rows depend on the columns' offsets
     else:
         sizes = [_sym(prop, s) for s in node.args[0]]
     placements = _sharded_placements(prop, sizes) or tuple(Replicate() for _ in range(prop.mesh.ndim))
@@ -264,6 +271,48 @@ def _mesh_size(prop, s: DSymInt) -> int:
     return n
 
 
+def _mask_placement(mask_shape, query_shape, dim: int):
+    """An attention mask's placement when the query is ``Shard(dim)``: split with the query where the
+    mask spans that dim (shapes broadcast from the right), replicated where it broadcasts."""
+    aligned = dim - (len(query_shape) - len(mask_shape))
+    if aligned >= 0 and mask_shape[aligned] == query_shape[dim] != 1:
+        return Shard(aligned)
+    return Replicate()
+
+
+def attention_rule(node: fx.Node, prop):
+    """SDPA on CPU (forward and backward): DTensor's strategy (:func:`_attention_strategy`) places
+    query/key/value; the keyword-only ``attn_mask`` is placed here, because DTensor redistributes
+    positional arguments only (torch 2.13, ``ShardingPropagator.propagate_op_sharding_non_cached``)
+    and would leave the mask as it comes (a mask built from global sizes, as
+    ``torch.compile(backend="spmd")`` graphs have, would reach the kernel unsplit). On each mesh dim
+    the mask follows the query's ``Shard`` where it spans that dim, and is replicated elsewhere.
+    """
+    if rng.is_random(node.target):
+        drawn = random_rule(node, prop)
+        if drawn is not None:
+            return drawn
+    sharding = prop.dtensor_rule(node)
+    mask = node.kwargs.get("attn_mask")
+    if not isinstance(mask, fx.Node) or not isinstance(prop.output_of(mask), DTensorSpec):
+        return sharding
+    leaves, _ = pytree.tree_flatten((node.args, {**node.kwargs, "attn_mask": _MASK_SLOT}))
+    slot = next(i for i, leaf in enumerate(leaves) if leaf is _MASK_SLOT)
+    query_index = 1 if node.target is aten._scaled_dot_product_flash_attention_for_cpu_backward.default else 0
+    query = sharding.inputs[query_index]
+    mask_spec = prop.output_of(mask)
+    placements = tuple(
+        _mask_placement(mask_spec.tensor_meta.shape, query.tensor_meta.shape, p.dim) if isinstance(p, Shard) else Replicate()
+        for p in query.placements
+    )
+    inputs = list(sharding.inputs)
+    inputs[slot] = spec_with_meta(prop.mesh, placements, mask_spec.tensor_meta)
+    return dataclasses.replace(sharding, inputs=tuple(inputs))
+
+
+_MASK_SLOT = object()
+
+
 def _attention_strategy(num_outputs: int):
     """DTensor op strategy for SDPA-on-CPU forward (2 outputs) or backward (3 outputs)."""
     from torch.distributed.tensor._op_schema import OpStrategy
@@ -278,9 +327,7 @@ def _attention_strategy(num_outputs: int):
         for dim in (0, 1):  # batch dim (data parallel), head dim (tensor parallel)
             placements = [Shard(dim)] * (num_outputs + len(tensors))
             if isinstance(mask, OpStrategy):
-                # A mask that spans this dim is split with the queries; a broadcast one is replicated.
-                spans = mask.ndim == 4 and mask.shape[dim] == query_shape[dim]
-                placements.append(Shard(dim) if spans else Replicate())
+                placements.append(_mask_placement(mask.shape, query_shape, dim))
             candidates.append(placements)
         return expand_to_full_mesh_op_strategy(
             op_schema.get_mesh_from_args(), op_schema, candidates, input_index=num_outputs
@@ -420,6 +467,8 @@ _RULES: dict[Any, Callable] = {
     aten._fused_adamw.tensor_lr: _fused_optimizer_rule(5),
     aten._fused_sgd.tensor_lr: _fused_optimizer_rule(3),
     aten.lift_fresh_copy.default: constant_rule,
+    aten._scaled_dot_product_flash_attention_for_cpu.default: attention_rule,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: attention_rule,
 }
 _RULES.update({op: factory_rule for op in FACTORY_OPS})
 _RULES.update({aten.split.Tensor: split_rule, aten.split_with_sizes.default: split_rule})

@@ -92,7 +92,7 @@ def _llama_tokens(g):
 
 
 def _llama_loss(model, idx, labels):
-    logits = model(input_ids=idx).logits
+    logits = model(input_ids=idx, use_cache=False).logits
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
@@ -111,6 +111,9 @@ def _full(t):
 
 def run_loop(name: str, plan_name: str, mesh, steps: int, lower: str = "eager") -> dict:
     loop = LOOPS[name]
+    # Each run is a new model of a class an earlier run compiled: start from an empty Dynamo cache so
+    # runs do not add up to Dynamo's recompile limit for the class's forward.
+    torch._dynamo.reset()
     torch.manual_seed(0)
     model = loop.model()
     reference = copy.deepcopy(model)

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.exc import BackendCompilerFailed
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
 
 import compile_cases
 import spmd_expand as spmd
@@ -30,8 +31,10 @@ RUNS_W2 = [
     ("graph_break", "fsdp", "eager"),
     ("graph_break_accumulate", "ddp", "eager"),
     ("llama", "ddp", "eager"),
+    ("llama", "fsdp", "eager"),
+    ("llama", "tp", "eager"),
 ]
-RUNS_W4 = [("gpt", "fsdp+tp", "eager")]
+RUNS_W4 = [("gpt", "fsdp+tp", "eager"), ("llama", "fsdp+tp", "eager")]
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +124,52 @@ def test_eager_call_of_parallelized_model_raises(fake_mesh):
     model = spmd.parallelize(_mlp(), fake_mesh, spmd.DDP())
     with pytest.raises(spmd.SpmdError, match="torch.compile"):
         model(torch.randn(2, 8))
+
+
+def test_fsdp_parameters_keep_their_names_and_eager_reads(fake_mesh):
+    # Sharded parameters are read in their compute placements only while Dynamo traces.
+    model = _mlp()
+    names = [n for n, _ in model.named_parameters()]
+    spmd.parallelize(model, fake_mesh, spmd.FSDP())
+    assert [n for n, _ in model.named_parameters()] == names
+    assert list(model.state_dict()) == names
+    assert isinstance(model[0], nn.Linear)
+    weight = model[0]._parameters["weight"]
+    assert model[0].weight is weight and weight.placements == (Shard(0),)
+
+
+def test_parallelize_again_after_dynamo_reset(fake_mesh):
+    from torch._dynamo.callback import callback_handler
+
+    class WithPositions(nn.Module):  # creates a plain tensor that meets DTensors (implicit replication)
+        def __init__(self):
+            super().__init__()
+            self.mlp = _mlp()
+
+        def forward(self, x):
+            return self.mlp(x) + torch.arange(4.0)
+
+    from spmd_expand.backend import _on_compile_start
+
+    plan = spmd.DDP()
+    model = spmd.parallelize(WithPositions(), fake_mesh, plan)
+    torch._dynamo.reset()
+    assert _on_compile_start not in callback_handler.start_callbacks
+    assert spmd.parallelize(model, fake_mesh, plan) is model
+    assert _on_compile_start in callback_handler.start_callbacks
+    compiled = torch.compile(model, backend="spmd", options={"mesh": fake_mesh, "plan": plan, "lower": "eager"})
+    assert compiled(torch.randn(2, 8)).shape == (2, 4)
+
+
+def test_kv_cache_under_tensor_parallel_warns(fake_mesh):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=4)
+    model = LlamaForCausalLM(config)
+    plan = spmd.TensorParallel.from_huggingface(model)
+    with pytest.warns(UserWarning, match="use_cache"):
+        spmd.parallelize(model, fake_mesh, plan)
 
 
 def test_compute_on_local_result_inside_compiled_region_raises(fake_mesh):
