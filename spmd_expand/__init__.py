@@ -13,7 +13,7 @@ from . import ops  # noqa: F401  (registers spmd_expand::gradient)
 from .api import CompiledStep, Override, StepArtifacts, compile
 from .backend import parallelize
 from .dsymint import DSymInt
-from .errors import BatchError, PassError, PlacementError, PlanError, SpmdError, TraceError, UnsupportedOpError
+from .errors import BatchError, DivergenceError, PassError, PlacementError, PlanError, SpmdError, TraceError, UnsupportedOpError
 from .plans import DDP, FSDP, ParallelStyle, TensorParallel
 
 __all__ = [
@@ -33,5 +33,6 @@ __all__ = [
     "UnsupportedOpError",
     "PlacementError",
     "BatchError",
+    "DivergenceError",
     "PassError",
 ]

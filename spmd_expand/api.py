@@ -20,13 +20,14 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from .errors import SpmdError, TraceError
+from .errors import PlanError, SpmdError, TraceError
 from .expand import RedistributeCache
 from .guards import ObjectIds, Snapshot, cache_key, check_batch, initialize_optimizer_state, snapshot
 from .lower import LOWERINGS
 from .passes import resolve_passes
 from .pipeline import Override, StepArtifacts, compile_step
 from .plans import Plan, ResolvedPlan, resolve_plan
+from .rank_check import check_ranks_agree, state_entries
 from .spec import AS_PRODUCED, replicate
 from .trace import HyperParameter, InputRole, TensorSpec, TracedStep, hyperparameters_of
 
@@ -107,7 +108,17 @@ def distribute_state(
     construction; sharded ones keep this rank's shard of the full tensor every rank holds. Parameters
     that already are DTensors are kept. Buffers stay plain tensors and are broadcast from rank 0.
     The conversion of ``spmd.compile``'s first call and of :func:`spmd_expand.parallelize`.
+
+    Raises:
+        DivergenceError: before the first broadcast, when the ranks' models differ (names, shapes,
+            dtypes, ``requires_grad``, placements; :mod:`spmd_expand.rank_check`).
     """
+    if any(not isinstance(p, DTensor) for p in model.parameters()):
+        check_ranks_agree(
+            f"the parameters and buffers of {type(model).__name__}",
+            *state_entries(model, plan.param_placements),
+            mesh,
+        )
     new: dict[int, nn.Parameter] = {}
     for fqn, p in model.named_parameters():
         if isinstance(p, DTensor):
@@ -128,6 +139,21 @@ def distribute_state(
             if not isinstance(b, DTensor):
                 b.copy_(distribute_tensor(b, mesh, replicate(mesh)).to_local())
     _rebind_parameters(model, optimizer, new)
+
+
+def _check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Raise PlanError for an optimizer parameter the model does not own (the step could not
+    place, reduce or write back its gradient)."""
+    owned = {id(p) for p in model.parameters()}
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if id(p) not in owned:
+                raise PlanError(
+                    f"the optimizer's param_groups[{g}]['params'][{i}] (shape {list(p.shape)}, {p.dtype}) is not a "
+                    f"parameter of the {type(model).__name__} passed to the step\n"
+                    f"  fix: build the optimizer over model.parameters() of the model the step receives (after any "
+                    f"module swap or parallelize call), or give the step the module that owns this parameter"
+                )
 
 
 class CompiledStep:
@@ -255,6 +281,8 @@ class CompiledStep:
         Use it before loading a sharded checkpoint (``torch.distributed.checkpoint``, or
         ``set_state_dict``) into a model that has not run a step yet. Idempotent.
         """
+        if optimizer is not None:
+            _check_optimizer_params(model, optimizer)
         if model not in self._plans:
             self._plans[model] = resolve_plan(self.plan, self.mesh, model)
         self._resolved = self._plans[model]

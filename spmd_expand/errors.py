@@ -19,6 +19,7 @@ __all__ = [
     "PlanError",
     "BatchError",
     "PassError",
+    "DivergenceError",
     "user_source_line",
 ]
 
@@ -44,6 +45,12 @@ class BatchError(SpmdError):
 class PassError(SpmdError):
     """A graph pass failed: its ``requires`` did not hold, it raised, or its ``ensures`` check failed
     afterwards; or ``passes=`` named a pass that does not exist. The message names the pass."""
+
+
+class DivergenceError(SpmdError):
+    """The ranks of a mesh do not run the same program (a model built differently, rank-dependent code
+    in the step), or a rank did not reach a cross-rank check in time. Raised on every rank before the
+    program's first collective (:mod:`spmd_expand.rank_check`), instead of a hang or a wrong result."""
 
 
 class UnsupportedOpError(SpmdError):

@@ -37,11 +37,12 @@ from .lower import lower as lower_graph
 from .passes.manager import PassContext, PassRecord, SpmdPass, copy_graph_module, run_passes
 from .plans import ResolvedPlan
 from .propagate import propagate
+from .rank_check import check_ranks_agree, graph_entries
 from .trace import TracedStep, trace_step
 
 __all__ = ["Override", "StepArtifacts", "JointArtifacts", "compile_step", "expand_step", "expand_joint", "split_forward_backward", "STAGES"]
 
-STAGES = ("trace", "global_passes", "propagate", "expand", "local_passes", "lower")
+STAGES = ("trace", "global_passes", "rank_check", "propagate", "expand", "local_passes", "lower")
 """Stage names, in order; :attr:`StepArtifacts.seconds` has one entry per stage."""
 
 
@@ -198,6 +199,13 @@ def expand_step(
     with clock.stage("global_passes"):
         global_gm, records = run_passes(traced.graph_module, global_passes, context, keep_graphs)
         traced.graph_module = global_gm
+
+    with clock.stage("rank_check"):
+        # Propagation and expansion derive the collectives from this graph and the inputs'
+        # placements: every rank must hold the same ones before any rank-local stage can fail.
+        entries, sources = graph_entries(traced.graph_module)
+        entries += [f"input {role} {tuple(p)}" for role, p in zip(roles, placements)]
+        check_ranks_agree("the global graph of the step", entries, sources + [""] * len(roles), mesh)
 
     with clock.stage("propagate"):
         if out_placements is None:

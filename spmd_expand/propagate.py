@@ -28,7 +28,7 @@ from torch.distributed.tensor._op_schema import OpSchema
 from . import rules
 from .cost import BatchSymbols, NodeCost, choosing_by_cost
 from .dsymint import SYM_ARITHMETIC, SYM_SOURCE_OPS, DSymInt, apply_arithmetic, from_size_node
-from .errors import PlacementError, UnsupportedOpError, node_error
+from .errors import PlacementError, TraceError, UnsupportedOpError, node_error
 from .spec import AS_PRODUCED, NodeSharding, concrete, local_shape, replicate, spec_with_meta, tensor_meta, tensor_spec
 from .trace import TracedStep, is_runtime_scalar
 
@@ -209,6 +209,16 @@ class _Propagator:
                 f"there), or pass module_override= to swap the submodule for a traceable stand-in",
             ) from e
         except Exception as e:  # noqa: BLE001 - DTensor raises assorted types for unsatisfiable inputs
+            if "DynamicOutputShape" in type(e).__name__ or "DynamicOutputShape" in str(e):
+                raise node_error(
+                    TraceError,
+                    node,
+                    f"{op}'s output shape depends on tensor values (a boolean mask, nonzero, unique, "
+                    f"masked_select): no plan can split a shape that is only known at run time",
+                    placements=[s.placements for s in current if s is not None],
+                    fix="keep shapes static: multiply by the mask or use torch.where instead of indexing with it "
+                    "(e.g. `(out * (out > 0)).sum()` for `out[out > 0].sum()`)",
+                ) from e
             raise node_error(
                 PlacementError,
                 node,

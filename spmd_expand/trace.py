@@ -45,7 +45,7 @@ from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from . import ops
 from .boundaries import mark_boundaries
-from .errors import TraceError
+from .errors import TraceError, user_source_line
 from .loss_parallel import MarkLossParallel
 
 __all__ = [
@@ -449,6 +449,19 @@ def _fake(fake_mode: FakeTensorMode, spec: TensorSpec) -> torch.Tensor:
     return fake_mode.from_tensor(template, symbolic_context=context)
 
 
+def _refuse_host_reads(gm: fx.GraphModule) -> None:
+    """A step that reads a tensor's value into Python cannot be compiled: the value does not exist
+    while tracing, and a compiled graph would keep one step's value for every later step."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten._local_scalar_dense.default:
+            raise TraceError(
+                f"the step reads a tensor's value into Python (`.item()`, `.tolist()`, `float(t)`, `int(t)`) at "
+                f"{user_source_line(node)}\n"
+                f"  fix: keep the value a tensor inside the step (e.g. `loss * scale` with `scale` a tensor), or "
+                f"return the tensor from the step and read it after the call"
+            )
+
+
 def trace_step(
     fn: Callable[..., Any],
     args: tuple,
@@ -477,6 +490,9 @@ def trace_step(
     Raises:
         TraceError: the step has data-dependent control flow, returns non-tensors, or fails to trace.
     """
+    # make_fx keeps the stack traces of frames inside nn.Module.forward only; the step's own lines
+    # (the loss, the optimizer call) are kept when its function is registered as an anchor.
+    torch.fx.proxy._register_stack_trace_anchor(fn)
     fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
     shape_env = fake_mode.shape_env
     fakes = [_fake(fake_mode, s) for s in input_specs]
@@ -605,6 +621,7 @@ def trace_step(
         )
         raise TraceError(f"could not trace the train step: {kind}: {str(e).splitlines()[0] if str(e) else ''}\n  fix: {hint}") from e
 
+    _refuse_host_reads(functional)
     functional.graph.eliminate_dead_code()
     _drop_profiler_nodes(functional)
     functional.recompile()

@@ -201,3 +201,64 @@ def test_ignored_module_not_in_model(fake_mesh):
     step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(ignored_modules=(nn.Linear(2, 2),)), lower="eager")(mse_step)
     with pytest.raises(spmd.PlanError):
         step(model, sgd(model), torch.randn(2, 16))
+
+
+# ---------------------------------------------------------------------------------------------- errors inside the step
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _loss(model, x):
+    return model(x).square().mean()
+
+
+def _item_step(model, optimizer, x):
+    loss = _loss(model, x)
+    scale = loss.item()  # reads the value into Python
+    (loss * scale).backward()
+    optimizer.step()
+    return loss
+
+
+def _tolist_step(model, optimizer, x):
+    out = model(x)
+    first = out.sum(1).tolist()[0]  # reads values into Python
+    loss = out.square().mean() * first
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _mask_step(model, optimizer, x):
+    out = model(x)
+    loss = out[out > 0].sum()  # a shape known only at run time
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+@pytest.mark.parametrize("step_fn, line", [(_item_step, "scale = loss.item()"), (_tolist_step, "first = out.sum(1).tolist()[0]")])
+def test_reading_a_value_into_python_names_the_line(fake_mesh, step_fn, line):
+    model = _mlp()
+    with pytest.raises(spmd.TraceError, match="reads a tensor's value into Python") as info:
+        ddp(fake_mesh, step_fn)(model, sgd(model), torch.randn(4, 8))
+    assert line in str(info.value) and "test_errors.py" in str(info.value)
+
+
+def test_value_dependent_shape_says_what_fixes_it(fake_mesh):
+    model = _mlp()
+    with pytest.raises(spmd.TraceError, match="depends on tensor values") as info:
+        ddp(fake_mesh, _mask_step)(model, sgd(model), torch.randn(4, 8))
+    msg = str(info.value)
+    assert "loss = out[out > 0].sum()" in msg and "torch.where" in msg and "choose a plan" not in msg
+
+
+def test_optimizer_parameter_outside_the_model(fake_mesh):
+    model = _mlp()
+    stray = nn.Parameter(torch.randn(3))
+    optimizer = torch.optim.SGD([*model.parameters(), stray], lr=0.1)
+    with pytest.raises(spmd.PlanError, match=r"param_groups\[0\]\['params'\]\[4\] \(shape \[3\]"):
+        ddp(fake_mesh, _item_step)(model, optimizer, torch.randn(4, 8))

@@ -1,0 +1,63 @@
+"""Ranks that disagree get a DivergenceError on every rank before any collective, never a hang.
+
+Real gloo ranks (W=2), tests/divergence_cases.py; the check itself is spmd_expand/rank_check.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import divergence_cases
+from spmd_expand.app.launch import run_local
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_local(divergence_cases.run_cases, 2, timeout_s=600)
+
+
+def _errors(results, case):
+    errors = [r[case].get("error") for r in results if case in r]
+    assert all(e is not None for e in errors), f"{case}: expected an error on every rank, got {[r[case] for r in results]}"
+    for name, _ in errors:
+        assert name == "DivergenceError"
+    return [message for _, message in errors]
+
+
+def test_same_program_passes(results):
+    assert [r["same"] for r in results] == [{"loss": results[0]["same"]["loss"]}] * 2
+
+
+def test_extra_layer_on_one_rank(results):
+    for message in _errors(results, "extra_layer"):
+        assert "rank(s) 1 differ from rank 0" in message
+        assert "parameters and buffers" in message
+        # Rank 0 ends where rank 1 has the extra layer's weight.
+        assert "rank 0: <nothing: ends here>" in message and "parameter 3.weight" in message
+
+
+def test_other_width_on_one_rank(results):
+    for message in _errors(results, "width"):
+        assert "parameter 0.weight: float32[16, 8]" in message and "parameter 0.weight: float32[24, 8]" in message
+
+
+def test_extra_matmul_names_the_source_line(results):
+    for message in _errors(results, "extra_matmul"):
+        assert "rank(s) 1 differ from rank 0 in the global graph of the step" in message
+        assert "divergence_cases.py" in message and "out = out @ torch.eye(4)" in message
+
+
+def test_rank_dependent_constant(results):
+    for message in _errors(results, "scaled_loss"):
+        assert "aten.mul.Tensor ('div', 1.0)" in message and "aten.mul.Tensor ('div', 2.0)" in message
+        assert "loss = F.cross_entropy(model(x), y) * scale" in message
+
+
+def test_rank_dependent_code_under_torch_compile(results):
+    for message in _errors(results, "backend"):
+        assert "rank(s) 1 differ from rank 0" in message and "out * 2.0 if rank == 1 else out" in message
+
+
+def test_missing_rank_times_out_with_its_name(results):
+    (message,) = _errors(results, "missing_rank")
+    assert "waited 3 s for ranks 1" in message
