@@ -7,6 +7,7 @@ importing this module through the ``sys.path`` they inherit from the pytest proc
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 
@@ -39,6 +40,14 @@ def exit_on_rank_one(rank: int, world_size: int) -> int:
     return rank
 
 
+def killed_mid_collective(rank: int, world_size: int) -> int:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer does
+    t = torch.ones(4)
+    dist.all_reduce(t)  # rank 0 loses its peer inside the collective: "Connection reset by peer"
+    return rank
+
+
 def sleep_forever(rank: int, world_size: int) -> None:
     time.sleep(600)
 
@@ -68,6 +77,15 @@ def test_rank_exiting_without_report_is_detected() -> None:
         run_local(exit_on_rank_one, WORLD, timeout_s=60)
     assert info.value.rank == 1
     assert "exited with code 3" in str(info.value)
+
+
+def test_killed_rank_is_named_not_the_peer_it_broke() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        run_local(killed_mid_collective, WORLD, timeout_s=120)
+    assert info.value.rank == 1, str(info.value)
+    assert "was killed by SIGKILL" in str(info.value)
+    assert time.monotonic() - start < 60  # noticed, not the timeout
 
 
 def test_timeout_kills_ranks_and_names_them() -> None:

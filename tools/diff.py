@@ -363,6 +363,11 @@ def _dump_files(folder: Path) -> list[str]:
     return names
 
 
+def _is_pass_file(name: str) -> bool:
+    """``4-<pass>.txt``: one per pass that ran, so two dumps with other pass lists differ in them."""
+    return name.startswith("4-") and name.endswith(".txt") and name != "4-passes.txt"
+
+
 def diff_paths(a: Path, b: Path, limit: int = DEFAULT_LIMIT) -> tuple[bool, str]:
     """Diff two dump files, or two folders file by file (same names). Returns ``(equal, report)``.
 
@@ -386,6 +391,10 @@ def diff_paths(a: Path, b: Path, limit: int = DEFAULT_LIMIT) -> tuple[bool, str]
         lines += collectives_table(_table_of(sa), _table_of(sb))
     for name in sorted(set(a_files) | set(b_files)):
         if name not in a_files or name not in b_files:
+            if not _is_pass_file(name):
+                # Every dump has its stage files and summary: one missing is a truncated dump.
+                lacking = b if name in a_files else a
+                raise DumpFormatError(f"{lacking}: lacks {name}, which the other dump has (a truncated dump? dump it again)")
             lines.append(f"== {name}: only in {'A' if name in a_files else 'B'}")
             continue
         same, body = _diff_files(a / name, b / name, limit, table=False)

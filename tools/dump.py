@@ -55,7 +55,7 @@ from ..dsymint import DSymInt, local_strides
 from ..graph_stats import annotate_local_values, collective_stats, peak_live_bytes
 from ..app.models import MLP, GPTConfig, build_gpt, classification_step, language_model_step
 from ..errors import PlanError
-from ..app.presets import PRESETS, Preset, mesh_shape, preset
+from ..app.presets import PRESETS, Preset, mesh_shape, positive_int, preset
 from ..spec import concrete, local_shape
 from ..trace import InputRole
 from .graph_text import (
@@ -184,18 +184,25 @@ def load_job(spec: str) -> Job:
         import_spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(import_spec)
         sys.modules[name] = module
-        import_spec.loader.exec_module(module)
+        try:
+            import_spec.loader.exec_module(module)
+        except Exception as e:  # noqa: BLE001 - the user's file: any error is bad input
+            raise DumpError(f"--job {spec!r}: loading {module_name} failed: {type(e).__name__}: {e}") from e
     else:
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())
         try:
             module = importlib.import_module(module_name)
-        except ImportError as e:
-            raise DumpError(f"--job {spec!r}: cannot import {module_name}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - ImportError, or the module's own error while importing
+            raise DumpError(f"--job {spec!r}: cannot import {module_name}: {type(e).__name__}: {e}") from e
     function = getattr(module, function_name, None)
     if not callable(function):
         raise DumpError(f"--job {spec!r}: {module_name} has no function {function_name}")
-    return _as_job(function(), f"--job {spec}")
+    try:
+        made = function()
+    except Exception as e:  # noqa: BLE001 - the user's job: any error is bad input
+        raise DumpError(f"--job {spec!r}: {function_name}() raised {type(e).__name__}: {e}") from e
+    return _as_job(made, f"--job {spec}")
 
 
 # ---------------------------------------------------------------------------------------- plans and mesh
@@ -626,8 +633,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="; ".join(f"{name}: {c.help}" for name, c in PRESETS.items()),
     )
     p.add_argument("--mesh", type=mesh_shape, metavar="SHAPE", help="mesh shape, e.g. 8 or 2x4 (default: --world-size)")
-    p.add_argument("--world-size", type=int, metavar="W", help="number of (fake) ranks; default 2, or the mesh's size")
-    p.add_argument("--layers", type=int, metavar="N", help="transformer layers of --model gpt (default 1)")
+    p.add_argument("--world-size", type=positive_int, metavar="W", help="number of (fake) ranks; default 2, or the mesh's size")
+    p.add_argument("--layers", type=positive_int, metavar="N", help="transformer layers of --model gpt (default 1)")
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="folder to write the dump to")
     p.add_argument("--no-picture", dest="picture", action="store_false", help="skip graph.html")
 
@@ -645,6 +652,8 @@ def run(args: argparse.Namespace) -> int:
         return _usage_error(f"--world-size {args.world_size} does not match --mesh {'x'.join(map(str, shape))} ({size} ranks)")
     if args.job and args.layers is not None:
         return _usage_error("--layers applies to --model gpt only")
+    if args.out.exists() and not args.out.is_dir():
+        return _usage_error(f"--out {args.out} is a file; give a folder (created if missing)")
     try:
         if args.model:
             job, source = builtin_job(args.model, args.layers)
@@ -653,6 +662,10 @@ def run(args: argparse.Namespace) -> int:
         dump = run_dump(job, args.plan, shape, source)
     except DumpError as e:
         return _usage_error(str(e))
+    except spmd.SpmdError as e:  # the step cannot be compiled for this plan: the message says why
+        return _usage_error(f"compiling the step failed: {type(e).__name__}: {e}")
+    except Exception as e:  # noqa: BLE001 - the user's step raised while tracing
+        return _usage_error(f"the step raised {type(e).__name__}: {e}")
     written = write_dump(dump, args.out, picture=args.picture)
     summary = dump.summary
     nodes = ", ".join(f"{name} {s['nodes']}" for name, s in summary["stages"].items())

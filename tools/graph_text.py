@@ -235,4 +235,7 @@ def parse_summary(text: str, source: str = "<json>") -> dict[str, Any]:
         isinstance(v, dict) and isinstance(v.get("count"), int) and isinstance(v.get("bytes"), int) for v in table.values()
     ):
         raise DumpFormatError(f"{source}: 'collectives_per_step' must map each kind to {{'count': int, 'bytes': int}}")
+    stages = summary.get("stages", {})
+    if not isinstance(stages, dict) or not all(isinstance(v, dict) for v in stages.values()):
+        raise DumpFormatError(f"{source}: 'stages' must map each stage name to an object")
     return summary

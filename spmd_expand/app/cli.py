@@ -11,7 +11,8 @@ from typing import Optional, Sequence
 
 from ..tools import diff as diff_tool
 from ..tools import dump as dump_tool
-from .presets import mesh_shape, preset
+from .data import load_text
+from .presets import mesh_shape, non_negative_int, positive_int, preset
 from .train import PARITY_ATOL, PARITY_RTOL, PLANS, TrainConfig, train_worker
 
 __all__ = ["main"]
@@ -28,17 +29,17 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
         "parameter difference from the same steps run on one process over the global batch.",
     )
     p.add_argument("--plan", choices=PLANS, default=defaults.plan)
-    p.add_argument("--world-size", type=int, default=None, help="local ranks to spawn (default: the mesh's size, or 2; ignored under torchrun)")
+    p.add_argument("--world-size", type=positive_int, default=None, help="local ranks to spawn (default: the mesh's size, or 2; ignored under torchrun)")
     p.add_argument("--mesh", type=mesh_shape, default=None, metavar="SHAPE", help="mesh shape, e.g. 2x2 for 2-D plans (default: 1-D over all ranks)")
-    p.add_argument("--steps", type=int, default=defaults.steps)
-    p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="global batch (sequences per step)")
-    p.add_argument("--block-size", type=int, default=defaults.block_size, help="sequence length in characters")
-    p.add_argument("--layers", dest="n_layer", type=int, default=defaults.n_layer)
-    p.add_argument("--heads", dest="n_head", type=int, default=defaults.n_head)
-    p.add_argument("--embd", dest="n_embd", type=int, default=defaults.n_embd)
+    p.add_argument("--steps", type=positive_int, default=defaults.steps)
+    p.add_argument("--batch-size", type=positive_int, default=defaults.batch_size, help="global batch (sequences per step)")
+    p.add_argument("--block-size", type=positive_int, default=defaults.block_size, help="sequence length in characters")
+    p.add_argument("--layers", dest="n_layer", type=positive_int, default=defaults.n_layer)
+    p.add_argument("--heads", dest="n_head", type=positive_int, default=defaults.n_head)
+    p.add_argument("--embd", dest="n_embd", type=positive_int, default=defaults.n_embd)
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--data", default=None, help="text file or folder (default: torch's own .py sources)")
-    p.add_argument("--max-chars", type=int, default=defaults.max_chars)
+    p.add_argument("--max-chars", type=positive_int, default=defaults.max_chars)
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--lower", choices=("inductor", "eager"), default=defaults.lower)
     p.add_argument(
@@ -46,13 +47,13 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
         default=defaults.passes,
         help='graph passes: "default", "none", or names separated by commas (regather_for_backward,bucketing,overlap)',
     )
-    p.add_argument("--parity-steps", type=int, default=defaults.parity_steps, help="steps replayed on one process (0: skip)")
+    p.add_argument("--parity-steps", type=non_negative_int, default=defaults.parity_steps, help="steps replayed on one process (0: skip)")
     p.add_argument("--json", metavar="PATH", help="also write the run summary as JSON")
     p.add_argument("--no-progress", dest="progress", action="store_false")
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from .launch import init_from_env, is_distributed_launch, run_local
+    from .launch import RankFailedError, init_from_env, is_distributed_launch, run_local
 
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
     needed = len(preset(cfg.plan).mesh_dim_names)
@@ -61,7 +62,17 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.world_size is None:
         args.world_size = math.prod(cfg.mesh) if cfg.mesh else 2
     elif cfg.mesh and math.prod(cfg.mesh) != args.world_size:
-        raise SystemExit(f"--world-size {args.world_size} does not match --mesh {'x'.join(map(str, cfg.mesh))}")
+        return _usage_error(f"--world-size {args.world_size} does not match --mesh {'x'.join(map(str, cfg.mesh))}")
+    if cfg.n_embd % cfg.n_head:
+        return _usage_error(f"--embd {cfg.n_embd} is not divisible by --heads {cfg.n_head}")
+    if cfg.data is not None:
+        # Checked here, once: a bad corpus would otherwise fail inside every rank.
+        try:
+            text = load_text(cfg.data, cfg.max_chars)
+        except (OSError, ValueError) as e:
+            return _usage_error(f"--data {cfg.data}: {e}")
+        if len(text) <= cfg.block_size + 1:
+            return _usage_error(f"--data {cfg.data}: {len(text)} characters, need more than --block-size {cfg.block_size} + 1")
     if cfg.parity_steps > cfg.steps:
         cfg.parity_steps = cfg.steps
     if is_distributed_launch():
@@ -70,12 +81,35 @@ def _run_train(args: argparse.Namespace) -> int:
         if rank != 0:
             return 0
     else:
-        summary = run_local(train_worker, args.world_size, cfg, timeout_s=3600)[0]
+        try:
+            summary = run_local(train_worker, args.world_size, cfg, timeout_s=3600)[0]
+        except RankFailedError as e:
+            # The rank that failed (the dead one, not the peer its death broke) and its exception,
+            # without the traceback (run_local's RankFailedError.details holds it).
+            print(f"spmd-expand train: rank {e.rank} failed: {_exception_text(e.details)}", file=sys.stderr)
+            return 1
     _report(summary, cfg)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)
     return 0
+
+
+def _usage_error(message: str) -> int:
+    print(f"spmd-expand train: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _exception_text(details: str) -> str:
+    """The exception at the end of a formatted traceback (its whole message), or ``details``."""
+    lines = details.rstrip().splitlines()
+    frames = [i for i, line in enumerate(lines) if line.startswith('  File "')]
+    if not frames:
+        return details.strip()
+    start = frames[-1] + 1
+    while start < len(lines) and lines[start].startswith("    "):
+        start += 1  # the frame's source line and its ^^^ markers
+    return "\n".join(lines[start:]).strip() or details.strip()
 
 
 def _report(summary: dict, cfg: TrainConfig) -> None:

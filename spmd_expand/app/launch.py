@@ -34,6 +34,7 @@ _OK = "ok"  # payload: the pickled return value (bytes)
 _ERROR = "error"  # payload: the formatted traceback (str)
 _PORT_IN_USE = "port_in_use"  # payload: the formatted traceback (str) of the failed rendezvous
 
+_DEATH_GRACE_S = 1.0  # how long a rank's error waits for a peer's death by a signal to show (see _root_cause)
 _POLL_S = 0.1  # how long one wait on the result queue lasts before the ranks' exit codes are checked
 _PORT_ATTEMPTS = 5  # rendezvous ports tried before giving up on "address already in use"
 _TEARDOWN_GRACE_S = 30.0  # how long ranks that all reported may take to leave before being killed
@@ -234,8 +235,29 @@ def _collect(
         elif kind == _PORT_IN_USE:
             raise _PortInUse(rank, payload)
         else:
-            raise RankFailedError(rank, payload)
+            raise _root_cause(procs, rank, payload)
     return results
+
+
+def _root_cause(procs: list[Any], rank: int, payload: str) -> RankFailedError:
+    """The error of ``rank``, or of the peer whose death caused it.
+
+    A rank killed by a signal (SIGKILL from the OOM killer or a user, a crash) cannot report; its
+    peers then fail inside their next collective ("Connection reset by peer") and report first.
+    Such a dead peer is named instead, with the reporting rank's error after it.
+    """
+    end = time.monotonic() + _DEATH_GRACE_S
+    while True:
+        killed = [r for r, proc in enumerate(procs) if r != rank and proc.exitcode is not None and proc.exitcode < 0]
+        if killed or time.monotonic() >= end:
+            break
+        time.sleep(0.05)
+    if not killed:
+        return RankFailedError(rank, payload)
+    # SIGKILL first: a rank that aborts (SIGABRT) in the communication library is usually its victim.
+    dead = min(killed, key=lambda r: (procs[r].exitcode != -signal.SIGKILL, r))
+    last_line = payload.strip().splitlines()[-1] if payload.strip() else ""
+    return RankFailedError(dead, f"{_describe_exit(procs[dead].exitcode)}; then rank {rank} failed: {last_line}")
 
 
 def _describe_exit(exitcode: int) -> str:

@@ -75,6 +75,28 @@ def preset_mesh(name: str, shape: tuple[int, ...], device_type: str = "cpu") -> 
     return init_device_mesh(device_type, tuple(shape), mesh_dim_names=names)
 
 
+def positive_int(text: str) -> int:
+    """argparse ``type`` for counts and sizes: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse ``type`` for an int >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
 def mesh_shape(text: str) -> tuple[int, ...]:
     """Parse ``--mesh``: ``"8"`` -> ``(8,)``, ``"2x4"`` -> ``(2, 4)`` (argparse ``type``)."""
     parts = text.lower().split("x")
