@@ -13,7 +13,7 @@ from . import ops  # noqa: F401  (registers spmd_expand::gradient)
 from .api import CompiledStep, Override, StepArtifacts, compile
 from .backend import parallelize
 from .dsymint import DSymInt
-from .errors import BatchError, DivergenceError, PassError, PlacementError, PlanError, SpmdError, TraceError, UnsupportedOpError
+from .errors import BatchError, CollectiveError, DivergenceError, PassError, PlacementError, PlanError, SpmdError, TraceError, UnsupportedOpError
 from .plans import DDP, FSDP, ParallelStyle, TensorParallel
 
 __all__ = [
@@ -34,5 +34,6 @@ __all__ = [
     "PlacementError",
     "BatchError",
     "DivergenceError",
+    "CollectiveError",
     "PassError",
 ]

@@ -12,6 +12,7 @@ import functools
 import warnings
 import weakref
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -30,6 +31,7 @@ from .plans import Plan, ResolvedPlan, resolve_plan
 from .rank_check import check_ranks_agree, state_entries
 from .spec import AS_PRODUCED, replicate
 from .trace import HyperParameter, InputRole, TensorSpec, TracedStep, hyperparameters_of
+from .watch import as_timedelta, set_group_timeouts
 
 __all__ = ["compile", "CompiledStep", "Override", "StepArtifacts", "distribute_state"]
 
@@ -168,9 +170,16 @@ class CompiledStep:
         passes: Union[str, Sequence[Any], None] = "default",
         module_override: Optional[Sequence[Override]] = None,
         keep_graphs: bool = False,
+        timeout: Union[None, float, timedelta] = None,
     ):
         if lower not in LOWERINGS:
             raise SpmdError(f"lower={lower!r} is not one of {LOWERINGS}")
+        try:
+            self.timeout = as_timedelta(timeout, "timeout")
+        except ValueError as e:
+            raise SpmdError(str(e)) from None
+        if self.timeout is not None:
+            set_group_timeouts(mesh, self.timeout)
         self.fn = fn
         self.mesh = mesh
         self.plan = plan
@@ -422,6 +431,7 @@ def compile(
     passes: Union[str, Sequence[Any], None] = "default",
     module_override: Optional[Sequence[Override]] = None,
     keep_graphs: bool = False,
+    timeout: Union[None, float, timedelta] = None,
 ) -> Callable[[Callable[..., Any]], CompiledStep]:
     """Compile a single-device train step into an SPMD program over ``mesh``.
 
@@ -449,14 +459,24 @@ def compile(
         module_override: :class:`Override` objects that swap untraceable submodules while tracing.
         keep_graphs: keep a copy of the graph after every pass in ``step.last.passes`` (for
             ``spmd-expand dump`` and debugging; costs a graph copy per pass).
+        timeout: seconds (or a ``timedelta``) after which a collective on the mesh's process groups
+            fails instead of waiting on: set on the groups now (``ProcessGroup.set_timeout``; it applies
+            to every later collective on them). Default None keeps the groups' timeout
+            (``init_process_group(timeout=...)``; 30 minutes for gloo). A collective of the step that
+            fails or times out raises ``CollectiveError`` naming its node (:mod:`spmd_expand.watch`).
 
     Raises:
         TraceError, PlanError, UnsupportedOpError, PlacementError, BatchError (uneven or empty local
         batches, on every rank at once), PassError (a pass failed, or ``passes`` names an unknown
-        pass): all subclasses of ``SpmdError``.
+        pass), DivergenceError (ranks traced different programs), CollectiveError (a collective failed
+        or timed out while the step ran): all subclasses of ``SpmdError``; ``SpmdError`` for a
+        ``timeout`` that is not a positive number of seconds.
     """
 
     def wrap(fn: Callable[..., Any]) -> CompiledStep:
-        return CompiledStep(fn, mesh, plan, lower=lower, passes=passes, module_override=module_override, keep_graphs=keep_graphs)
+        return CompiledStep(
+            fn, mesh, plan, lower=lower, passes=passes, module_override=module_override, keep_graphs=keep_graphs,
+            timeout=timeout,
+        )
 
     return wrap

@@ -38,7 +38,8 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from datetime import timedelta
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -58,6 +59,7 @@ from .pipeline import JointArtifacts, expand_joint
 from .plans import Plan, ResolvedPlan, TensorParallel, _DataParallel, resolve_plan
 from .spec import replicate
 from .trace import InputRole, TensorSpec, TracedStep
+from .watch import as_timedelta, set_group_timeouts
 
 __all__ = ["parallelize", "spmd_backend", "BackendStats", "stats"]
 
@@ -76,7 +78,9 @@ class _Parallelized:
 _PARALLELIZED: "weakref.WeakKeyDictionary[nn.Module, _Parallelized]" = weakref.WeakKeyDictionary()
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> nn.Module:
+def parallelize(
+    model: nn.Module, mesh: DeviceMesh, plan: Plan, *, timeout: Union[None, float, timedelta] = None
+) -> nn.Module:
     """Make ``model`` an SPMD module for ``torch.compile(model, backend="spmd")``; returns ``model``.
 
     Parameters become DTensors with ``plan``'s placements (the conversion of ``spmd.compile``'s first
@@ -93,10 +97,19 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> nn.Module:
     ``torch._dynamo.reset()`` drops the compile callbacks this installs: call ``parallelize`` again
     (on the same model, with the same mesh and plan) after it.
 
+    ``timeout`` (seconds or a ``timedelta``), as in :func:`spmd.compile <spmd_expand.api.compile>`: set on
+    the mesh's process groups; a collective of a compiled graph that fails or times out raises
+    ``CollectiveError`` naming its node.
+
     Raises:
         PlanError: ``plan`` does not fit ``model`` (from :func:`~spmd_expand.plans.resolve_plan`).
-        SpmdError: ``model`` is already parallelized for another mesh or plan.
+        SpmdError: ``model`` is already parallelized for another mesh or plan, or ``timeout`` is not a
+            positive number of seconds.
     """
+    try:
+        timeout = as_timedelta(timeout, "timeout")
+    except ValueError as e:
+        raise SpmdError(f"spmd.parallelize: {e}") from None
     _replicate_plain_tensors_while_tracing()
     known = _PARALLELIZED.get(model)
     if known is not None:
@@ -104,6 +117,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> nn.Module:
             raise SpmdError("spmd.parallelize: this model is already parallelized with another mesh or plan")
         return model
     resolved = resolve_plan(plan, mesh, model)
+    if timeout is not None:
+        set_group_timeouts(mesh, timeout)
     distribute_state(model, None, mesh, resolved)
     for module in model.modules():
         for name, buf in list(module._buffers.items()):
@@ -658,7 +673,7 @@ class _Runtime:
         return cls(compiler, artifacts, slots, outputs, diff_outputs, grad_index)
 
     def _lowered(self, gm: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> Callable:
-        return lower_graph(gm, list(inputs), self.lower, ran_passes=self.ran_passes)
+        return lower_graph(gm, list(inputs), self.lower, ran_passes=self.ran_passes, mesh=self.mesh)
 
     def run_forward(self, tensors: Sequence[torch.Tensor]) -> list:
         if self._forward is None:

@@ -20,6 +20,7 @@ __all__ = [
     "BatchError",
     "PassError",
     "DivergenceError",
+    "CollectiveError",
     "user_source_line",
 ]
 
@@ -51,6 +52,13 @@ class DivergenceError(SpmdError):
     """The ranks of a mesh do not run the same program (a model built differently, rank-dependent code
     in the step), or a rank did not reach a cross-rank check in time. Raised on every rank before the
     program's first collective (:mod:`spmd_expand.rank_check`), instead of a hang or a wrong result."""
+
+
+class CollectiveError(SpmdError):
+    """A collective of the compiled step failed while it ran (timed out, or lost a peer that died).
+    Names the collective this rank last issued (node, kind, bytes, group or mesh dim) and how many of
+    the step's collectives it had issued (:mod:`spmd_expand.watch`); the original error is its
+    ``__cause__``."""
 
 
 class UnsupportedOpError(SpmdError):

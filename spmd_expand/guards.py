@@ -42,9 +42,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from .errors import BatchError
+from .errors import BatchError, CollectiveError
 from .plans import ResolvedPlan
 from .trace import HyperParameter
+from .watch import is_communication_failure
 
 __all__ = ["ObjectIds", "Snapshot", "cache_key", "check_batch", "initialize_optimizer_state", "snapshot"]
 
@@ -253,7 +254,17 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: Device
         [zlib.crc32(repr(shapes).encode()), len(leaves), int(bool(problems)), 0], dtype=torch.int64, device=mesh.device_type
     )
     gathered = torch.empty(dist.get_world_size(group) * 4, dtype=torch.int64, device=digest.device)
-    dist.all_gather_single(gathered, digest, group=group)
+    try:
+        dist.all_gather_single(gathered, digest, group=group)
+    except Exception as e:
+        if not is_communication_failure(e):
+            raise
+        raise CollectiveError(
+            f"rank {dist.get_rank()}: the batch check before the step (an all_gather of 4 int64 over the mesh's "
+            f"ranks {dist.get_process_group_ranks(group)}) failed: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}. "
+            f"Another rank failed or stopped calling the step (look for its error first), or did not call it "
+            f"within the process group's timeout"
+        ) from e
     rows = gathered.view(-1, 4).tolist()
     if all(row == rows[0] for row in rows) and not rows[0][2]:
         return

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
 
 from .errors import SpmdError
 from .rng import draws_random
+from .watch import watch_collectives
 
 __all__ = ["LOWERINGS", "lower"]
 
@@ -20,7 +22,11 @@ _OUR_COMM_PASSES = frozenset({"bucketing", "overlap"})
 
 
 def lower(
-    gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], mode: str, ran_passes: frozenset = frozenset()
+    gm: fx.GraphModule,
+    example_inputs: Sequence[torch.Tensor],
+    mode: str,
+    ran_passes: frozenset = frozenset(),
+    mesh: Optional[DeviceMesh] = None,
 ) -> Callable[..., list]:
     """Compile ``gm`` for ``example_inputs`` (this rank's local tensors).
 
@@ -38,9 +44,17 @@ def lower(
     by default in torch 2.13; set explicitly so a user's global Inductor config cannot make them run
     twice), and so does its peak-memory reordering, which would move the collectives back.
 
+    Either way the result is wrapped by :func:`~spmd_expand.watch.watch_collectives`: a collective that
+    fails or times out raises :class:`~spmd_expand.errors.CollectiveError` naming its node (and its
+    mesh dim of ``mesh``).
+
     Raises:
         SpmdError: an unknown ``mode``.
     """
+    return watch_collectives(gm, _lower(gm, example_inputs, mode, ran_passes), mesh)
+
+
+def _lower(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], mode: str, ran_passes) -> Callable[..., list]:
     if mode == "eager":
         return gm
     if mode == "inductor":

@@ -149,7 +149,8 @@ def compile_step(*args: Any, lower: str, **kwargs: Any) -> StepArtifacts:
     artifacts = expand_step(*args, **kwargs)
     start = time.perf_counter()
     artifacts.runner = lower_graph(
-        artifacts.local_graph, artifacts.example_inputs, lower, ran_passes={r.name for r in artifacts.passes}
+        artifacts.local_graph, artifacts.example_inputs, lower, ran_passes={r.name for r in artifacts.passes},
+        mesh=kwargs["mesh"],
     )
     artifacts.seconds["lower"] = time.perf_counter() - start
     artifacts.example_inputs = []  # this rank's tensors: not kept alive by the cache

@@ -1,0 +1,72 @@
+"""Ranks whose collectives fail while the compiled step runs (tests/test_collective_failure.py).
+
+Each worker returns ``{"error": (type name, message)}`` or ``{"ok": ...}`` per rank; none may hang.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+import spmd_expand as spmd
+
+TIMEOUT_S = 3.0
+
+
+def _step(model, optimizer, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _setup(world_size: int, lower: str):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower=lower, timeout=TIMEOUT_S)(_step)
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    step(model, optimizer, x, y)  # compiled, run once on every rank
+    return step, model, optimizer, x, y
+
+
+def _error(e: BaseException) -> dict:
+    return {"error": (type(e).__name__, str(e)), "seconds": None}
+
+
+def stalled_rank(rank: int, world_size: int, lower: str = "eager") -> dict:
+    """Rank 1 passes the batch check, then computes for longer than the timeout before its collectives."""
+    step, model, optimizer, x, y = _setup(world_size, lower)
+    if rank == 1:
+        def stalled(*inputs):
+            time.sleep(3 * TIMEOUT_S)
+            raise RuntimeError("rank 1 stalled")
+        step.last.runner = stalled
+    start = time.monotonic()
+    try:
+        step(model, optimizer, x, y)
+        return {"ok": True}
+    except Exception as e:  # noqa: BLE001 - the result is the error
+        return {"error": (type(e).__name__, str(e)), "seconds": time.monotonic() - start}
+
+
+def stopped_rank(rank: int, world_size: int) -> dict:
+    """Rank 1 stops calling the step: rank 0's batch check before its next step times out."""
+    step, model, optimizer, x, y = _setup(world_size, "eager")
+    if rank == 1:
+        time.sleep(3 * TIMEOUT_S)
+        return {"ok": "stopped"}
+    start = time.monotonic()
+    try:
+        step(model, optimizer, x, y)
+        return {"ok": True}
+    except Exception as e:  # noqa: BLE001
+        return {"error": (type(e).__name__, str(e)), "seconds": time.monotonic() - start}
