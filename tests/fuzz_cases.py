@@ -1,0 +1,201 @@
+"""Fuzzed parity: seeded random small models and optimizers, compiled step vs one device.
+
+:func:`random_case` builds, from one seed, a model out of Linear, LayerNorm, activations, residual
+adds, reshape/transpose round trips, cat and reductions over widths that do not divide the world size,
+an optimizer (SGD with or without momentum, Adam, AdamW), a loss reduction, and a tensor-parallel plan
+(each Linear colwise, rowwise or replicated, at random). :func:`run_fuzz` is the rank worker: every
+case under every plan (DDP, FSDP, TP), a few steps, parameters compared with the single-device run over
+the global batch. Used by tests/test_fuzz.py (a bounded set) and bench/fuzz.py (thousands).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import spmd_expand as spmd
+
+WIDTHS = (3, 5, 6, 7, 9, 12)
+ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh, "silu": F.silu}
+PLANS = ("ddp", "fsdp", "tp")
+
+
+class Block(nn.Module):
+    """One random layer: ``kind`` decides what forward does with the activation ``(B, width_in)``."""
+
+    def __init__(self, kind: str, width_in: int, width_out: int, rng: random.Random):
+        super().__init__()
+        self.kind = kind
+        self.activation = rng.choice(sorted(ACTIVATIONS))
+        if kind in ("linear", "residual", "cat"):
+            self.fc = nn.Linear(width_in, width_out if kind != "cat" else width_out - width_in, bias=rng.random() < 0.7)
+        elif kind == "norm":
+            self.norm = nn.LayerNorm(width_in)
+        elif kind == "transpose":
+            self.fc = nn.Linear(width_in, width_in)
+        elif kind == "rms":
+            self.weight = nn.Parameter(1.0 + 0.1 * torch.randn(width_in))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = ACTIVATIONS[self.activation]
+        if self.kind == "linear":
+            return act(self.fc(x))
+        if self.kind == "residual":
+            return x + act(self.fc(x))
+        if self.kind == "cat":
+            return torch.cat([x, act(self.fc(x))], dim=-1)
+        if self.kind == "norm":
+            return self.norm(x)
+        if self.kind == "transpose":
+            # (B, D) -> (B, D, 1) -> (B, 1, D) -> (B, D): a reshape/transpose round trip around a Linear.
+            y = self.fc(x).unsqueeze(-1).transpose(1, 2).reshape(x.shape[0], -1)
+            return act(y)
+        if self.kind == "center":
+            return x - x.mean(dim=-1, keepdim=True)
+        if self.kind == "rms":
+            # RMSNorm written out: a reduction over the features, a broadcast, a free parameter.
+            return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + 1e-6) * self.weight
+        if self.kind == "pool":
+            # A reduction across the batch (each row sees the others: a collective under DDP/FSDP) and
+            # a max over the features. Added, not subtracted: x - x.mean(0) would make the gradient of
+            # an earlier bias exactly zero in exact arithmetic and +-1e-8 in floats, which Adam
+            # normalizes to +-lr on one side and not the other (seed 13 found this; not a bug).
+            return x + 0.5 * x.mean(dim=0, keepdim=True) + act(x).amax(dim=-1, keepdim=True)
+        raise ValueError(self.kind)
+
+
+class RandomModel(nn.Module):
+    def __init__(self, seed: int):
+        super().__init__()
+        rng = random.Random(seed)
+        width = rng.choice(WIDTHS)
+        self.width_in = width
+        blocks = []
+        for _ in range(rng.randint(2, 5)):
+            kind = rng.choice(("linear", "linear", "residual", "cat", "norm", "transpose", "center", "rms", "pool"))
+            out = width if kind in ("residual", "norm", "transpose", "center", "rms", "pool") else rng.choice(WIDTHS)
+            if kind == "cat":
+                out = width + rng.choice(WIDTHS)
+            blocks.append(Block(kind, width, out, rng))
+            width = out
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(width, rng.choice((2, 3, 5)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@dataclass
+class Case:
+    seed: int
+    model: Callable[[], nn.Module]
+    optimizer: Callable[[list], torch.optim.Optimizer]
+    reduction: str  # "mean" or "sum" of the per-row loss
+    tp_plan: dict  # module FQN -> ColwiseParallel() / RowwiseParallel(), for plan "tp"
+    description: str
+
+
+def random_case(seed: int) -> Case:
+    rng = random.Random(10_000 + seed)
+    lr = rng.choice((1e-3, 1e-2, 5e-2))
+    name = rng.choice(("sgd", "sgd_momentum", "adam", "adamw"))
+    factories = {
+        "sgd": lambda p: torch.optim.SGD(p, lr=lr),
+        "sgd_momentum": lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9),
+        "adam": lambda p: torch.optim.Adam(p, lr=lr, foreach=True),
+        "adamw": lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=0.1, foreach=True),
+    }
+    reduction = rng.choice(("mean", "sum"))
+
+    def model() -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return RandomModel(seed)
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    tp_plan = {}
+    for fqn, module in model().named_modules():
+        if isinstance(module, nn.Linear):
+            style = rng.choice(("colwise", "rowwise", "replicated"))
+            if style != "replicated":
+                tp_plan[fqn] = style
+    description = f"seed {seed}: {name} lr {lr}, loss {reduction}, tp {tp_plan}"
+    return Case(seed, model, factories[name], reduction, {k: styles[v]() for k, v in tp_plan.items()}, description)
+
+
+def _step(reduction: str):
+    def step(model, optimizer, x, y):
+        loss = F.cross_entropy(model(x), y, reduction=reduction)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return step
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def run_case(case: Case, plan_name: str, mesh, rank: int, world: int, steps: int = 2) -> dict:
+    model = case.model()
+    reference = copy.deepcopy(model)
+    plan = {"ddp": spmd.DDP, "fsdp": spmd.FSDP, "tp": lambda: spmd.TensorParallel(case.tp_plan)}[plan_name]()
+    step = spmd.compile(mesh=mesh, plan=plan, lower="eager")(_step(case.reduction))
+    reference_step = _step(case.reduction)
+    optimizer, ref_optimizer = case.optimizer(list(model.parameters())), case.optimizer(list(reference.parameters()))
+    batch = 2 * world
+    worst = 0.0
+    compiled_s = reference_s = 0.0
+    for i in range(steps):
+        g = torch.Generator().manual_seed(1000 * case.seed + i)
+        x = torch.randn(batch, model.width_in, generator=g)
+        y = torch.randint(0, model.head.out_features, (batch,), generator=g)
+        rows = slice(None) if plan_name == "tp" else slice(rank * 2, rank * 2 + 2)  # TP ranks share the batch
+        start = time.perf_counter()
+        loss = step(model, optimizer, x[rows], y[rows])
+        middle = time.perf_counter()
+        ref_loss = reference_step(reference, ref_optimizer, x, y)
+        compiled_s += middle - start
+        reference_s += time.perf_counter() - middle
+        loss, ref_loss = float(loss.detach()), float(ref_loss.detach())
+        worst = max(worst, abs(loss - ref_loss) / max(1.0, abs(ref_loss)))
+    result = {"ok": True, "case": case.description, "compiled_s": compiled_s, "reference_s": reference_s}
+    params = {k: _full(v).detach() for k, v in model.named_parameters()}
+    for k, v in reference.named_parameters():
+        if not torch.allclose(params[k], v.detach(), rtol=1e-4, atol=1e-5):
+            diff = (params[k] - v.detach()).abs().max().item()
+            return {**result, "ok": False, "why": f"param {k} differs by {diff:.2e}"}
+    if worst > 1e-4:
+        return {**result, "ok": False, "why": f"loss differs by {worst:.2e} (relative)"}
+    return result
+
+
+def run_fuzz(rank: int, world: int, seeds: list[int], plans: tuple[str, ...] = PLANS) -> dict:
+    """Rank worker: ``{(seed, plan): result}`` for every seed under every plan; a case that raises is a
+    failed result (``"why"`` holds the traceback), not an exception. ``compiled_s`` includes the
+    compilation of the first step; ``reference_s`` is the single-device steps over the global batch."""
+    mesh = init_device_mesh("cpu", (world,))
+    results = {}
+    for seed in seeds:
+        case = random_case(seed)
+        for plan in plans:
+            try:
+                results[(seed, plan)] = run_case(case, plan, mesh, rank, world)
+            except Exception:  # noqa: BLE001 - reported per case
+                results[(seed, plan)] = {"ok": False, "why": traceback.format_exc(), "case": case.description}
+    return results
