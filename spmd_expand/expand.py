@@ -97,6 +97,64 @@ def _strided_to_replicate(src: DTensorSpec, dst: DTensorSpec) -> Optional[Callab
     return fn
 
 
+def _uneven_shard(src: DTensorSpec, dst: DTensorSpec) -> Optional[Callable]:
+    """A constant-size redistribution for an uneven ``Shard(d)`` on one mesh dim: ``Partial("sum")``
+    -> ``Shard(d)`` (reduce-scatter) or ``Shard(d)`` -> ``Replicate()`` (all-gather), when that is the
+    only mesh dim that changes and no other mesh dim shards dim d; else None.
+
+    DTensor pads uneven shards one piece at a time: it splits the tensor into the W pieces, pads each
+    and concatenates them (reduce-scatter), or chunks the gathered tensor and unpads each piece
+    (all-gather), so a graph holds O(W) nodes per redistribution (W=512: 27,168 ``constant_pad_nd``
+    for 64 gradients). With DTensor's chunking (``torch.chunk``: pieces of c = ceil(n/W), the last
+    non-empty piece shorter, any after it empty), padding the whole tensor to W*c rows and scattering
+    gives each rank its piece padded to c rows, and the real rows of a gathered padded tensor are its
+    first n: one pad and one narrow, whatever W.
+    """
+    changed = [m for m, (a, b) in enumerate(zip(src.placements, dst.placements)) if a != b]
+    if len(changed) != 1:
+        return None
+    m = changed[0]
+    before, after = src.placements[m], dst.placements[m]
+    if type(before) is Partial and before.reduce_op == "sum" and type(after) is Shard:
+        dim, gather = after.dim, False
+    elif type(before) is Shard and type(after) is Replicate:
+        dim, gather = before.dim, True
+    else:
+        return None
+    if any(k != m and shards_dim(p) and p.dim == dim for k, p in enumerate(src.placements)):
+        return None
+    n, size = src.tensor_meta.shape[dim], src.mesh.size(m)
+    if n % size == 0:
+        return None  # DTensor's own path is one collective
+    chunk = -(-n // size)
+    group = (src.mesh, m)
+
+    def rows_first(x: torch.Tensor, rows: int) -> torch.Tensor:
+        """Dim ``dim`` of ``x`` moved first, padded with ``rows`` zero rows at its end, contiguous."""
+        x = x.movedim(dim, 0) if dim else x
+        # F.pad's list runs from the last dim backwards: the last pair pads dim 0 at its end.
+        x = torch.nn.functional.pad(x, [0, 0] * (x.ndim - 1) + [0, rows]) if rows else x
+        return x.contiguous()
+
+    def rows_back(x: torch.Tensor) -> torch.Tensor:
+        return x.movedim(0, dim).contiguous() if dim else x
+
+    if gather:
+        real = local_shape(src)[dim]
+
+        def fn(t: torch.Tensor) -> torch.Tensor:
+            full = funcol.all_gather_tensor(rows_first(t, chunk - real), gather_dim=0, group=group)
+            return rows_back(full.narrow(0, 0, n))
+    else:
+        real = local_shape(dst)[dim]
+
+        def fn(t: torch.Tensor) -> torch.Tensor:
+            piece = funcol.reduce_scatter_tensor(rows_first(t, chunk * size - n), "sum", scatter_dim=0, group=group)
+            return rows_back(piece.narrow(0, 0, real) if real < chunk else piece)
+
+    return fn
+
+
 def _rescale_partial(src: DTensorSpec, dst: DTensorSpec) -> Optional[Callable]:
     """A redistribution that turns ``Partial("sum")`` into ``Partial("avg")`` (or back) on some mesh
     dims, which DTensor's planner refuses: scale the local value by size (or 1/size) there, then let
@@ -177,6 +235,8 @@ class RedistributeCache:
                 gm = make_fx(strided, tracing_mode="fake")(example)
             elif (rescale := _rescale_partial(src, dst)) is not None:
                 gm = make_fx(rescale, tracing_mode="fake")(example)
+            elif (uneven := _uneven_shard(src, dst)) is not None:
+                gm = make_fx(uneven, tracing_mode="fake")(example)
             else:
                 gm = make_fx(lambda t: redistribute_local_tensor(t, src, dst), tracing_mode="fake")(example)
             self._graphs[key] = gm
