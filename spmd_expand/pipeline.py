@@ -77,6 +77,7 @@ class StepArtifacts:
         runner: the lowered callable: ``runner(*local_inputs, *hyperparameter_values) -> outputs``
             (None until lowered).
         seconds: wall seconds per stage (:data:`STAGES`).
+        lowering: how ``runner`` was lowered (``"inductor"`` or ``"eager"``; see :func:`compile_step`).
     """
 
     traced: TracedStep
@@ -86,6 +87,7 @@ class StepArtifacts:
     expanded: Optional[fx.GraphModule] = None
     passes: list[PassRecord] = field(default_factory=list)
     example_inputs: list = field(default_factory=list, repr=False)
+    lowering: str = ""
 
 
 class _overrides:
@@ -141,15 +143,26 @@ class _Clock:
         return _Timer()
 
 
+def creates_optimizer_state(traced: TracedStep) -> bool:
+    """Whether the step creates optimizer state it was not given (e.g. SGD's ``momentum_buffer`` on
+    the first call): its next call passes that state in, so it compiles another graph and this one
+    runs once."""
+    given = {(r.fqn, r.key) for r in traced.inputs if r.kind == "state"}
+    return any(o.kind == "state" and (o.fqn, o.key) not in given for o in traced.outputs)
+
+
 def compile_step(*args: Any, lower: str, **kwargs: Any) -> StepArtifacts:
     """Run every stage once for the step's current state (:func:`expand_step`, then lower).
 
-    Takes :func:`expand_step`'s arguments and ``lower`` (``"inductor"`` or ``"eager"``).
+    Takes :func:`expand_step`'s arguments and ``lower`` (``"inductor"`` or ``"eager"``). A graph that
+    runs once (:func:`creates_optimizer_state`) is not worth an Inductor compilation (seconds to
+    minutes, most of a first call's time): it is lowered ``"eager"`` (``artifacts.lowering`` says).
     """
     artifacts = expand_step(*args, **kwargs)
+    artifacts.lowering = "eager" if lower == "inductor" and creates_optimizer_state(artifacts.traced) else lower
     start = time.perf_counter()
     artifacts.runner = lower_graph(
-        artifacts.local_graph, artifacts.example_inputs, lower, ran_passes={r.name for r in artifacts.passes},
+        artifacts.local_graph, artifacts.example_inputs, artifacts.lowering, ran_passes={r.name for r in artifacts.passes},
         mesh=kwargs["mesh"],
     )
     artifacts.seconds["lower"] = time.perf_counter() - start
