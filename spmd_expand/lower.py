@@ -54,6 +54,17 @@ def lower(
     return watch_collectives(gm, _lower(gm, example_inputs, mode, ran_passes), mesh)
 
 
+def _cacheable():
+    """A tracing context whose fake mode has a ``ShapeEnv``: Inductor's FX graph cache (on by default)
+    bypasses a graph compiled without one ("No shape env"), so each process compiled every graph again.
+    ``static_shapes``: our graphs are specialized to this rank's local sizes."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)))
+
+
 def _lower(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], mode: str, ran_passes) -> Callable[..., list]:
     if mode == "eager":
         return gm
@@ -75,6 +86,6 @@ def _lower(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], mode: str
                     "aten_distributed_optimizations.enable_overlap_scheduling": False,
                 }
             )
-        with inductor_config.patch(patches) if patches else contextlib.nullcontext():
+        with inductor_config.patch(patches) if patches else contextlib.nullcontext(), _cacheable():
             return compile_fx(gm, list(example_inputs))
     raise SpmdError(f"lower={mode!r} is not one of {LOWERINGS}")
