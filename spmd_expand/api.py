@@ -102,7 +102,11 @@ class _Binding:
 
 
 def distribute_state(
-    model: nn.Module, optimizer: Optional[torch.optim.Optimizer], mesh: DeviceMesh, plan: ResolvedPlan
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    mesh: DeviceMesh,
+    plan: ResolvedPlan,
+    timeout: Optional[timedelta] = None,
 ) -> None:
     """Turn parameters (and existing optimizer states) into DTensors with the plan's placements.
 
@@ -110,6 +114,7 @@ def distribute_state(
     construction; sharded ones keep this rank's shard of the full tensor every rank holds. Parameters
     that already are DTensors are kept. Buffers stay plain tensors and are broadcast from rank 0.
     The conversion of ``spmd.compile``'s first call and of :func:`spmd_expand.parallelize`.
+    ``timeout`` bounds the wait of the cross-rank check (default: the store's).
 
     Raises:
         DivergenceError: before the first broadcast, when the ranks' models differ (names, shapes,
@@ -120,6 +125,7 @@ def distribute_state(
             f"the parameters and buffers of {type(model).__name__}",
             *state_entries(model, plan.param_placements),
             mesh,
+            timeout,
         )
     new: dict[int, nn.Parameter] = {}
     for fqn, p in model.named_parameters():
@@ -224,7 +230,7 @@ class CompiledStep:
 
     # ------------------------------------------------------------------ state as DTensors
     def _distribute_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
-        distribute_state(model, optimizer, self.mesh, self._resolved)
+        distribute_state(model, optimizer, self.mesh, self._resolved, self.timeout)
 
     # ------------------------------------------------------------------ inputs
     def _inputs(self, model, optimizer, batch_leaves):
@@ -281,6 +287,7 @@ class CompiledStep:
             redistribute_cache=self.redistribute_cache,
             lower=self.lower,
             keep_graphs=self.keep_graphs,
+            timeout=self.timeout,
         )
 
     def prepare(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
@@ -464,6 +471,7 @@ def compile(
             to every later collective on them). Default None keeps the groups' timeout
             (``init_process_group(timeout=...)``; 30 minutes for gloo). A collective of the step that
             fails or times out raises ``CollectiveError`` naming its node (:mod:`spmd_expand.watch`).
+            It also bounds the cross-rank checks' wait for the other ranks (``DivergenceError``).
 
     Raises:
         TraceError, PlanError, UnsupportedOpError, PlacementError, BatchError (uneven or empty local

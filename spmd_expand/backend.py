@@ -73,6 +73,7 @@ class _Parallelized:
     plan: Plan
     resolved: ResolvedPlan
     boundaries: Any = None  # the module-boundary hooks (kept for the model's life)
+    timeout: Optional[timedelta] = None  # parallelize's timeout: the cross-rank checks' wait
 
 
 _PARALLELIZED: "weakref.WeakKeyDictionary[nn.Module, _Parallelized]" = weakref.WeakKeyDictionary()
@@ -119,7 +120,7 @@ def parallelize(
     resolved = resolve_plan(plan, mesh, model)
     if timeout is not None:
         set_group_timeouts(mesh, timeout)
-    distribute_state(model, None, mesh, resolved)
+    distribute_state(model, None, mesh, resolved, timeout)
     for module in model.modules():
         for name, buf in list(module._buffers.items()):
             if buf is not None and not isinstance(buf, DTensor):
@@ -146,7 +147,7 @@ def parallelize(
     # Tensor-parallel module boundaries: the styles' redistributions, as torch's own hooks do them.
     boundaries = contextlib.ExitStack()
     boundaries.enter_context(mark_boundaries(model, resolved.module_layouts()))
-    _PARALLELIZED[model] = _Parallelized(mesh, plan, resolved, boundaries)
+    _PARALLELIZED[model] = _Parallelized(mesh, plan, resolved, boundaries, timeout)
     return model
 
 
@@ -571,6 +572,7 @@ class _GraphCompiler:
             locals_,
             mesh=self.mesh,
             plan=self.plan,
+            timeout=self.info.timeout,
             grad_placements=lambda fqn: self.plan.grad_placements(fqn, params[fqn]),
             gradient_sync=True,
             global_passes=self.global_passes,

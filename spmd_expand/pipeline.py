@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -191,6 +192,7 @@ def expand_step(
     redistribute_cache: RedistributeCache,
     keep_graphs: bool = False,
     out_placements: Optional[Callable[[TracedStep], list]] = None,
+    timeout: Optional[timedelta] = None,
 ) -> StepArtifacts:
     """Run the stages up to the local passes (not lower) and return what they produced.
 
@@ -199,7 +201,8 @@ def expand_step(
     then hyperparameter values; fake tensors are enough). ``grad_placements(fqn)`` is where each
     gradient must be reduced to; ``out_placements(traced)`` the placements of every graph output
     (default :func:`~spmd_expand.annotate.output_placements`: returns replicated, gradients and
-    states per the plan). The returned artifacts have no runner yet.
+    states per the plan). ``timeout`` bounds the cross-rank check's wait (default: the store's). The
+    returned artifacts have no runner yet.
 
     Raises:
         TraceError, UnsupportedOpError, PlacementError, PassError: from the stage that failed.
@@ -219,7 +222,7 @@ def expand_step(
         # placements: every rank must hold the same ones before any rank-local stage can fail.
         entries, sources = graph_entries(traced.graph_module)
         entries += [f"input {role} {tuple(p)}" for role, p in zip(roles, placements)]
-        check_ranks_agree("the global graph of the step", entries, sources + [""] * len(roles), mesh)
+        check_ranks_agree("the global graph of the step", entries, sources + [""] * len(roles), mesh, timeout)
 
     with clock.stage("propagate"):
         if out_placements is None:

@@ -94,21 +94,24 @@ def _enabled(mesh: DeviceMesh) -> bool:
     return dist.is_initialized() and dist.get_backend() != "fake" and mesh.mesh.numel() > 1
 
 
-def check_ranks_agree(what: str, entries: Sequence[str], sources: Sequence[str], mesh: DeviceMesh) -> None:
+def check_ranks_agree(
+    what: str, entries: Sequence[str], sources: Sequence[str], mesh: DeviceMesh, wait_for: Optional[timedelta] = None
+) -> None:
     """Raise on every rank of ``mesh`` unless all of them hold the same ``entries``.
 
     ``what`` names the thing compared ("the global graph of the step"); it is compared too, so it
-    must not depend on the rank.
+    must not depend on the rank. ``wait_for`` bounds the wait for the other ranks (the step's
+    ``timeout``); default :data:`timeout`, else the store's timeout.
 
     Raises:
         DivergenceError: some ranks' entries differ from the mesh's first rank's (names them and the
-            first differing entry with each side's source line), or a rank did not arrive within
-            :data:`timeout` seconds (names the ranks that did not).
+            first differing entry with each side's source line), or a rank did not arrive in time
+            (names the ranks that did not).
     """
     if not _enabled(mesh):
         return
     store = dist.distributed_c10d._get_default_store()
-    wait = timedelta(seconds=timeout) if timeout is not None else store.timeout
+    wait = wait_for or (timedelta(seconds=timeout) if timeout is not None else store.timeout)
     ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
     me, first = dist.get_rank(), ranks[0]
     # The mesh's ranks in the key too: disjoint meshes check their own programs side by side.
@@ -127,7 +130,7 @@ def check_ranks_agree(what: str, entries: Sequence[str], sources: Sequence[str],
             raise DivergenceError(
                 f"rank {me} waited {wait.total_seconds():.0f} s for {missing()} at the cross-rank check of "
                 f"{what}: they did not reach it (they failed, hang elsewhere, or compile another program). "
-                f"Raise spmd_expand.rank_check.timeout if their compilation is that slow ({e})"
+                f"If their compilation is that slow, raise the timeout (spmd.compile(..., timeout=...), or spmd_expand.rank_check.timeout) ({e})"
             ) from None
 
     if me == first:

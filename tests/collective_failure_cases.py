@@ -70,3 +70,17 @@ def stopped_rank(rank: int, world_size: int) -> dict:
         return {"ok": True}
     except Exception as e:  # noqa: BLE001
         return {"error": (type(e).__name__, str(e)), "seconds": time.monotonic() - start}
+
+
+def absent_rank(rank: int, world_size: int) -> dict:
+    """Rank 1 never calls the step: rank 0's cross-rank check of the model waits ``timeout``, not the
+    store's 300 s."""
+    if rank == 1:
+        time.sleep(3 * TIMEOUT_S)
+        return {"ok": "absent"}
+    start = time.monotonic()
+    try:
+        _setup(world_size, "eager")
+        return {"ok": True}
+    except Exception as e:  # noqa: BLE001
+        return {"error": (type(e).__name__, str(e)), "seconds": time.monotonic() - start}

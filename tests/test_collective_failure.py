@@ -39,6 +39,14 @@ def test_stopped_rank_fails_the_batch_check_within_the_timeout():
     assert rank1 == {"ok": "stopped"}
 
 
+def test_absent_rank_fails_the_cross_rank_check_within_the_timeout():
+    rank0, rank1 = run_local(cases.absent_rank, 2, timeout_s=300)
+    name, message = rank0["error"]
+    assert name == "DivergenceError" and "waited 3 s for ranks 1 at the cross-rank check" in message, message
+    assert rank0["seconds"] < 3 * cases.TIMEOUT_S
+    assert rank1 == {"ok": "absent"}
+
+
 class _CountingGroup:
     """Stands in for a process group: counts the collectives a runner issues on it."""
 
