@@ -87,7 +87,7 @@ def _strided_to_replicate(src: DTensorSpec, dst: DTensorSpec) -> Optional[Callab
         x = t.movedim(dim, 0)
         rest = x.shape[1:]
         chunk = x.shape[0] // pieces
-        gathered = funcol.all_gather_tensor(x.contiguous(), gather_dim=0, group=(src.mesh, m))
+        gathered = funcol.all_gather_single(x.contiguous(), gather_dim=0, group=(src.mesh, m))
         full = gathered.reshape(size, pieces, chunk, *rest).transpose(0, 1).reshape(size * pieces * chunk, *rest)
         full = full.movedim(0, dim)
         if middle.placements != dst.placements:
@@ -143,13 +143,13 @@ def _uneven_shard(src: DTensorSpec, dst: DTensorSpec) -> Optional[Callable]:
         real = local_shape(src)[dim]
 
         def fn(t: torch.Tensor) -> torch.Tensor:
-            full = funcol.all_gather_tensor(rows_first(t, chunk - real), gather_dim=0, group=group)
+            full = funcol.all_gather_single(rows_first(t, chunk - real), gather_dim=0, group=group)
             return rows_back(full.narrow(0, 0, n))
     else:
         real = local_shape(dst)[dim]
 
         def fn(t: torch.Tensor) -> torch.Tensor:
-            piece = funcol.reduce_scatter_tensor(rows_first(t, chunk * size - n), "sum", scatter_dim=0, group=group)
+            piece = funcol.reduce_scatter_single(rows_first(t, chunk * size - n), "sum", scatter_dim=0, group=group)
             return rows_back(piece.narrow(0, 0, real) if real < chunk else piece)
 
     return fn
