@@ -4,7 +4,8 @@ TP on W local gloo ranks, each compared with the single-device run over the glob
 Prints one JSON object: the cases run, the failures (seed, plan, case, why: make each a regression
 in tests/test_fuzz.py), and time per case: the compiled steps (compilation included) and, as the
 baseline measured in the same run, the single-device steps.
-Run: ``python bench/fuzz.py [--seeds 1000] [--start 0] [--world-size 2] [--plans ddp fsdp tp]``.
+Run: ``python bench/fuzz.py [--seeds 1000] [--start 0] [--world-size 2] [--plans ddp fsdp tp]``; 2-D plans
+on a 2 x W/2 mesh: ``--world-size 4 --plans fsdp+tp ddp+tp hsdp``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=1000, help="number of seeds (default 1000)")
     parser.add_argument("--start", type=int, default=0, help="first seed (default 0)")
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--plans", nargs="+", default=list(fuzz_cases.PLANS), choices=fuzz_cases.PLANS)
+    parser.add_argument(
+        "--plans", nargs="+", default=list(fuzz_cases.PLANS), choices=fuzz_cases.PLANS + fuzz_cases.PLANS_2D,
+        help="default: the 1-D plans; the 2-D ones (fsdp+tp, ddp+tp, hsdp) need an even --world-size >= 4",
+    )
     parser.add_argument("--chunk", type=int, default=50, help="seeds per launch of the ranks (default 50)")
     args = parser.parse_args()
     seeds = list(range(args.start, args.start + args.seeds))

@@ -25,10 +25,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import spmd_expand as spmd
+from spmd_expand.plans import resolve_plan
+from spmd_expand.spec import local_slice
 
 WIDTHS = (3, 5, 6, 7, 9, 12)
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh, "silu": F.silu}
-PLANS = ("ddp", "fsdp", "tp")
+PLANS = ("ddp", "fsdp", "tp")  # 1-D, any world size
+PLANS_2D = ("fsdp+tp", "ddp+tp", "hsdp")  # on a 2 x W/2 mesh (W >= 4, even)
 
 
 class Block(nn.Module):
@@ -151,10 +154,26 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _plan(case: Case, name: str):
+    tp = lambda: spmd.TensorParallel(case.tp_plan)  # noqa: E731
+    return {
+        "ddp": spmd.DDP,
+        "fsdp": spmd.FSDP,
+        "tp": tp,
+        "fsdp+tp": lambda: {"dp": spmd.FSDP(), "tp": tp()},
+        "ddp+tp": lambda: {"dp": spmd.DDP(), "tp": tp()},
+        "hsdp": lambda: {"replicate": spmd.DDP(), "shard": spmd.FSDP()},
+    }[name]()
+
+
+_MESH_DIMS = {"ddp": None, "fsdp": None, "tp": None, "fsdp+tp": ("dp", "tp"), "ddp+tp": ("dp", "tp"), "hsdp": ("replicate", "shard")}
+
+
 def run_case(case: Case, plan_name: str, mesh, rank: int, world: int, steps: int = 2) -> dict:
     model = case.model()
     reference = copy.deepcopy(model)
-    plan = {"ddp": spmd.DDP, "fsdp": spmd.FSDP, "tp": lambda: spmd.TensorParallel(case.tp_plan)}[plan_name]()
+    plan = _plan(case, plan_name)
+    resolved = resolve_plan(plan, mesh, model)
     step = spmd.compile(mesh=mesh, plan=plan, lower="eager")(_step(case.reduction))
     reference_step = _step(case.reduction)
     optimizer, ref_optimizer = case.optimizer(list(model.parameters())), case.optimizer(list(reference.parameters()))
@@ -165,9 +184,10 @@ def run_case(case: Case, plan_name: str, mesh, rank: int, world: int, steps: int
         g = torch.Generator().manual_seed(1000 * case.seed + i)
         x = torch.randn(batch, model.width_in, generator=g)
         y = torch.randint(0, model.head.out_features, (batch,), generator=g)
-        rows = slice(None) if plan_name == "tp" else slice(rank * 2, rank * 2 + 2)  # TP ranks share the batch
+        # This rank's part of the global batch under the plan (data-parallel dims split it, TP shares it).
+        local = [local_slice(t, mesh, resolved.batch_placements(t)) for t in (x, y)]
         start = time.perf_counter()
-        loss = step(model, optimizer, x[rows], y[rows])
+        loss = step(model, optimizer, *local)
         middle = time.perf_counter()
         ref_loss = reference_step(reference, ref_optimizer, x, y)
         compiled_s += middle - start
@@ -189,13 +209,21 @@ def run_fuzz(rank: int, world: int, seeds: list[int], plans: tuple[str, ...] = P
     """Rank worker: ``{(seed, plan): result}`` for every seed under every plan; a case that raises is a
     failed result (``"why"`` holds the traceback), not an exception. ``compiled_s`` includes the
     compilation of the first step; ``reference_s`` is the single-device steps over the global batch."""
-    mesh = init_device_mesh("cpu", (world,))
+    meshes: dict = {}
+
+    def mesh_for(plan: str):
+        names = _MESH_DIMS[plan]
+        if names not in meshes:
+            shape = (world,) if names is None else (2, world // 2)
+            meshes[names] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        return meshes[names]
+
     results = {}
     for seed in seeds:
         case = random_case(seed)
         for plan in plans:
             try:
-                results[(seed, plan)] = run_case(case, plan, mesh, rank, world)
+                results[(seed, plan)] = run_case(case, plan, mesh_for(plan), rank, world)
             except Exception:  # noqa: BLE001 - reported per case
                 results[(seed, plan)] = {"ok": False, "why": traceback.format_exc(), "case": case.description}
     return results
