@@ -5,8 +5,6 @@ Each worker returns ``{"error": (type name, message)}`` or ``{"ok": ...}`` per r
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import torch
@@ -39,7 +37,7 @@ def _setup(world_size: int, lower: str):
 
 
 def _error(e: BaseException) -> dict:
-    return {"error": (type(e).__name__, str(e)), "seconds": None}
+    return {"error": (type(e).__name__, str(e))}
 
 
 def stalled_rank(rank: int, world_size: int, lower: str = "eager") -> dict:
@@ -50,12 +48,11 @@ def stalled_rank(rank: int, world_size: int, lower: str = "eager") -> dict:
             time.sleep(3 * TIMEOUT_S)
             raise RuntimeError("rank 1 stalled")
         step.last.runner = stalled
-    start = time.monotonic()
     try:
         step(model, optimizer, x, y)
         return {"ok": True}
     except Exception as e:  # noqa: BLE001 - the result is the error
-        return {"error": (type(e).__name__, str(e)), "seconds": time.monotonic() - start}
+        return _error(e)
 
 
 def stopped_rank(rank: int, world_size: int) -> dict:
@@ -64,12 +61,11 @@ def stopped_rank(rank: int, world_size: int) -> dict:
     if rank == 1:
         time.sleep(3 * TIMEOUT_S)
         return {"ok": "stopped"}
-    start = time.monotonic()
     try:
         step(model, optimizer, x, y)
         return {"ok": True}
     except Exception as e:  # noqa: BLE001
-        return {"error": (type(e).__name__, str(e)), "seconds": time.monotonic() - start}
+        return _error(e)
 
 
 def absent_rank(rank: int, world_size: int) -> dict:
@@ -78,9 +74,8 @@ def absent_rank(rank: int, world_size: int) -> dict:
     if rank == 1:
         time.sleep(3 * TIMEOUT_S)
         return {"ok": "absent"}
-    start = time.monotonic()
     try:
         _setup(world_size, "eager")
         return {"ok": True}
     except Exception as e:  # noqa: BLE001
-        return {"error": (type(e).__name__, str(e)), "seconds": time.monotonic() - start}
+        return _error(e)

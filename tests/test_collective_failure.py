@@ -25,8 +25,7 @@ def test_stalled_rank_names_the_collective_and_node(lower):
     assert "on mesh dim 'dp' (ranks [0, 1]) this rank had issued 1 of the step's" in message
     assert "the last issued is all_reduce node 'all_reduce'" in message
     assert "collective_failure_cases.py" in message and "loss = F.cross_entropy" in message
-    assert "Timed out waiting 3000ms" in message
-    assert rank0["seconds"] < 3 * cases.TIMEOUT_S  # the timeout, not the process group's 300 s
+    assert "Timed out waiting 3000ms" in message  # the step's timeout, not the process group's 300 s
     assert rank1["error"] == ("RuntimeError", "rank 1 stalled")
 
 
@@ -35,7 +34,7 @@ def test_stopped_rank_fails_the_batch_check_within_the_timeout():
     name, message = rank0["error"]
     assert name == "CollectiveError", message
     assert "the batch check before the step" in message and "ranks [0, 1]" in message
-    assert rank0["seconds"] < 3 * cases.TIMEOUT_S
+    assert "Timed out waiting 3000ms" in message  # the step's timeout, not the process group's 300 s
     assert rank1 == {"ok": "stopped"}
 
 
@@ -43,7 +42,7 @@ def test_absent_rank_fails_the_cross_rank_check_within_the_timeout():
     rank0, rank1 = run_local(cases.absent_rank, 2, timeout_s=300)
     name, message = rank0["error"]
     assert name == "DivergenceError" and "waited 3 s for ranks 1 at the cross-rank check" in message, message
-    assert rank0["seconds"] < 3 * cases.TIMEOUT_S
+    assert "wait timeout after 3000ms" in message  # the store's own words: the step's timeout applied
     assert rank1 == {"ok": "absent"}
 
 
