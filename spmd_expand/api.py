@@ -180,10 +180,7 @@ class CompiledStep:
     ):
         if lower not in LOWERINGS:
             raise SpmdError(f"lower={lower!r} is not one of {LOWERINGS}")
-        try:
-            self.timeout = as_timedelta(timeout, "timeout")
-        except ValueError as e:
-            raise SpmdError(str(e)) from None
+        self.timeout = as_timedelta(timeout, "timeout")
         if self.timeout is not None:
             set_group_timeouts(mesh, self.timeout)
         self.fn = fn

@@ -107,10 +107,7 @@ def parallelize(
         SpmdError: ``model`` is already parallelized for another mesh or plan, or ``timeout`` is not a
             positive number of seconds.
     """
-    try:
-        timeout = as_timedelta(timeout, "timeout")
-    except ValueError as e:
-        raise SpmdError(f"spmd.parallelize: {e}") from None
+    timeout = as_timedelta(timeout, "spmd.parallelize: timeout")
     _replicate_plain_tensors_while_tracing()
     known = _PARALLELIZED.get(model)
     if known is not None:

@@ -22,6 +22,7 @@ __all__ = [
     "DivergenceError",
     "CollectiveError",
     "user_source_line",
+    "first_line",
 ]
 
 
@@ -67,6 +68,12 @@ class UnsupportedOpError(SpmdError):
 
 class PlacementError(SpmdError):
     """An op's inputs cannot be brought to a placement the op accepts."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message, or its type name when the message is empty."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def user_source_line(node: fx.Node) -> str:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-__all__ = ["COLLECTIVES", "CollectiveStats", "collective_stats", "annotate_local_values", "peak_live_bytes"]
+__all__ = ["COLLECTIVES", "CollectiveStats", "collective_bytes", "collective_stats", "annotate_local_values", "peak_live_bytes"]
 
 _c10d = torch.ops._c10d_functional
 COLLECTIVES = {  # collective start ops of torch.distributed._functional_collectives -> kind
@@ -41,13 +41,26 @@ class CollectiveStats:
         return {k: {"count": self.count[k], "bytes": self.bytes[k]} for k in sorted(self.count)}
 
 
+def collective_bytes(node: fx.Node, kind: str) -> int:
+    """Bytes collective ``node`` (of ``kind``) sends from this rank: its input tensor's size, derived
+    from the output value recorded on the node (``node.meta["val"]``, from the traced
+    redistribution): an all_gather's input is its output over the group size, a reduce_scatter's its
+    output times the group size. 0 without a recorded value."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return 0
+    nbytes = val.numel() * val.element_size()
+    if kind == "all_gather":
+        nbytes //= node.args[1]
+    elif kind == "reduce_scatter":
+        nbytes *= node.args[2]
+    return nbytes
+
+
 def collective_stats(gm: fx.GraphModule) -> CollectiveStats:
     """Count the functional collectives of ``gm`` and the bytes each sends from this rank.
 
-    Bytes are the size of the collective's input tensor on this rank (``numel * element_size``),
-    derived from the output value recorded on the node (``node.meta["val"]``, from the traced
-    redistribution): an all_gather's input is its output over the group size, a reduce_scatter's its
-    output times the group size.
+    Bytes are the size of the collective's input tensor on this rank (:func:`collective_bytes`).
     """
     stats = CollectiveStats()
     for node in gm.graph.nodes:
@@ -55,14 +68,7 @@ def collective_stats(gm: fx.GraphModule) -> CollectiveStats:
         if kind is None:
             continue
         stats.count[kind] += 1
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            out_bytes = val.numel() * val.element_size()
-            if kind == "all_gather":
-                out_bytes //= node.args[1]
-            elif kind == "reduce_scatter":
-                out_bytes *= node.args[2]
-            stats.bytes[kind] += out_bytes
+        stats.bytes[kind] += collective_bytes(node, kind)
     return stats
 
 

@@ -42,7 +42,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from .errors import BatchError, CollectiveError
+from .errors import BatchError, CollectiveError, first_line
 from .plans import ResolvedPlan
 from .trace import HyperParameter
 from .watch import is_communication_failure
@@ -261,7 +261,7 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: Device
             raise
         raise CollectiveError(
             f"rank {dist.get_rank()}: the batch check before the step (an all_gather of 4 int64 over the mesh's "
-            f"ranks {dist.get_process_group_ranks(group)}) failed: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}. "
+            f"ranks {dist.get_process_group_ranks(group)}) failed: {first_line(e)}. "
             f"Another rank failed or stopped calling the step (look for its error first), or did not call it "
             f"within the process group's timeout"
         ) from e

@@ -29,13 +29,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence, Union
 
-import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 
-from .errors import CollectiveError, user_source_line
-from .graph_stats import COLLECTIVES
+from .errors import CollectiveError, SpmdError, first_line, user_source_line
+from .graph_stats import COLLECTIVES, collective_bytes
 
 __all__ = ["watch_collectives", "set_group_timeouts", "as_timedelta", "is_communication_failure"]
 
@@ -52,17 +51,19 @@ class _Collective:
 
 
 def as_timedelta(timeout: Union[None, float, int, timedelta], what: str) -> Optional[timedelta]:
-    """``timeout`` (seconds or a ``timedelta``) as a ``timedelta``; None stays None.
+    """``timeout`` (seconds or a ``timedelta``) as a ``timedelta``; None stays None. ``what`` names
+    the argument in the error.
 
     Raises:
-        ValueError: not positive, or not a number of seconds or a ``timedelta``.
+        SpmdError: not positive, or not a number of seconds or a ``timedelta``.
     """
     if timeout is None:
         return None
+    given = timeout
     if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         timeout = timedelta(seconds=timeout)
     if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
-        raise ValueError(f"{what} must be a positive number of seconds or a datetime.timedelta, got {timeout!r}")
+        raise SpmdError(f"{what} must be a positive number of seconds or a datetime.timedelta, got {given!r}")
     return timeout
 
 
@@ -82,18 +83,6 @@ def _group_name(node: fx.Node) -> Optional[str]:
         if argument.name == "group_name":
             return node.args[index] if index < len(node.args) else node.kwargs.get("group_name")
     return None
-
-
-def _payload_bytes(node: fx.Node, kind: str) -> int:
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return 0
-    nbytes = val.numel() * val.element_size()
-    if kind == "all_gather":
-        nbytes //= node.args[1]
-    elif kind == "reduce_scatter":
-        nbytes *= node.args[2]
-    return nbytes
 
 
 def _sequence_number(group: dist.ProcessGroup) -> Optional[int]:
@@ -149,10 +138,9 @@ class _Watched:
                 f"collectives; the last issued is {last.kind} node {last.node!r} ({last.nbytes:,} bytes from "
                 f"this rank){where}"
             )
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return (
             f"rank {self.rank}: a collective of the compiled step failed: {'; '.join(parts)}. "
-            f"The communication library said: {first_line}. Usual causes: another rank failed or stopped calling "
+            f"The communication library said: {first_line(error)}. Usual causes: another rank failed or stopped calling "
             f"the step (look for its error first); ranks ran different code outside the compiled step; or the "
             f"collective takes longer than the process group's timeout (set it with spmd.compile(..., timeout=...) "
             f"or init_process_group(timeout=...)). The step stopped part way: parameters and optimizer states may "
@@ -190,5 +178,5 @@ def watch_collectives(gm: fx.GraphModule, runner: Callable[..., Any], mesh: Opti
                 unwatched.add(name)
                 continue
             groups[name] = _WatchedGroup(group, _describe_group(group, name, mesh), [])
-        groups[name].collectives.append(_Collective(node.name, kind, _payload_bytes(node, kind), user_source_line(node)))
+        groups[name].collectives.append(_Collective(node.name, kind, collective_bytes(node, kind), user_source_line(node)))
     return _Watched(runner, groups.values(), dist.get_rank()) if groups else runner

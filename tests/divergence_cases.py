@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import spmd_expand as spmd
+from spmd_expand.app.models import classification_step as _step
 from spmd_expand import rank_check
 
 
@@ -22,14 +23,6 @@ def _mlp(width: int = 16, extra_layer: bool = False) -> nn.Module:
     if extra_layer:
         layers.append(nn.Linear(4, 4))
     return nn.Sequential(*layers)
-
-
-def _step(model, optimizer, x, y):
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
 
 
 def _step_with_rank_dependent_code(rank: int):

@@ -21,10 +21,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import spmd_expand as spmd
+from cases import _full
 from spmd_expand.plans import resolve_plan
 from spmd_expand.spec import local_slice
 
@@ -148,10 +148,6 @@ def _step(reduction: str):
         return loss
 
     return step
-
-
-def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _plan(case: Case, name: str):

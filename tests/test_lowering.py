@@ -5,24 +5,16 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import spmd_expand as spmd
-
-
-def _step(model, optimizer, x, y):
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
+from spmd_expand.app.models import classification_step
 
 
 def test_graph_that_creates_momentum_buffers_is_not_sent_to_inductor(fake_mesh):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="inductor")(_step)
+    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="inductor")(classification_step)
     x, y = torch.randn(2, 8), torch.randint(0, 4, (2,))
     step(model, optimizer, x, y)  # SGD creates momentum_buffer in its first step
     assert step.last.lowering == "eager"

@@ -75,26 +75,24 @@ def preset_mesh(name: str, shape: tuple[int, ...], device_type: str = "cpu") -> 
     return init_device_mesh(device_type, tuple(shape), mesh_dim_names=names)
 
 
-def positive_int(text: str) -> int:
-    """argparse ``type`` for counts and sizes: an int >= 1."""
+def _int_at_least(minimum: int, text: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type`` for counts and sizes: an int >= 1."""
+    return _int_at_least(1, text)
 
 
 def non_negative_int(text: str) -> int:
     """argparse ``type`` for an int >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
+    return _int_at_least(0, text)
 
 
 def mesh_shape(text: str) -> tuple[int, ...]:
