@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import spmd_expand as spmd
 from cases import _full
+from spmd_expand.app.presets import preset
 from spmd_expand.plans import resolve_plan
 from spmd_expand.spec import local_slice
 
@@ -162,9 +163,6 @@ def _plan(case: Case, name: str):
     }[name]()
 
 
-_MESH_DIMS = {"ddp": None, "fsdp": None, "tp": None, "fsdp+tp": ("dp", "tp"), "ddp+tp": ("dp", "tp"), "hsdp": ("replicate", "shard")}
-
-
 def run_case(case: Case, plan_name: str, mesh, rank: int, world: int, steps: int = 2) -> dict:
     model = case.model()
     reference = copy.deepcopy(model)
@@ -208,9 +206,9 @@ def run_fuzz(rank: int, world: int, seeds: list[int], plans: tuple[str, ...] = P
     meshes: dict = {}
 
     def mesh_for(plan: str):
-        names = _MESH_DIMS[plan]
+        names = preset(plan).mesh_dim_names  # the CLI's mesh dim names for the plan
         if names not in meshes:
-            shape = (world,) if names is None else (2, world // 2)
+            shape = (world,) if len(names) == 1 else (2, world // 2)
             meshes[names] = init_device_mesh("cpu", shape, mesh_dim_names=names)
         return meshes[names]
 
