@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from . import ops
 from .api import distribute_state
 from .boundaries import encode_placement, mark_boundaries
-from .errors import SpmdError, TraceError
+from .errors import PlanError, SpmdError, TraceError
 from .expand import RedistributeCache
 from .lower import LOWERINGS, lower as lower_graph
 from .passes import resolve_passes
@@ -103,7 +103,8 @@ def parallelize(
     ``CollectiveError`` naming its node.
 
     Raises:
-        PlanError: ``plan`` does not fit ``model`` (from :func:`~spmd_expand.plans.resolve_plan`).
+        PlanError: ``plan`` does not fit ``model`` (from :func:`~spmd_expand.plans.resolve_plan`), or
+            gives an ``mp_policy`` (applied by ``spmd.compile`` only, for now).
         SpmdError: ``model`` is already parallelized for another mesh or plan, or ``timeout`` is not a
             positive number of seconds.
     """
@@ -115,6 +116,13 @@ def parallelize(
             raise SpmdError("spmd.parallelize: this model is already parallelized with another mesh or plan")
         return model
     resolved = resolve_plan(plan, mesh, model)
+    if resolved.mixed_precision(model) is not None:
+        raise PlanError(
+            "spmd.parallelize: the plan's mp_policy is applied by spmd.compile (whole-step graph); the "
+            "torch.compile backend does not apply it yet, and would train in the parameters' dtype\n"
+            "  fix: compile the whole step with spmd.compile(mesh=..., plan=...), or drop mp_policy and use "
+            "torch.autocast inside the model's forward"
+        )
     if timeout is not None:
         set_group_timeouts(mesh, timeout)
     distribute_state(model, None, mesh, resolved, timeout)

@@ -210,7 +210,9 @@ def expand_step(
     clock = _Clock()
     params = dict(model.named_parameters())
     with clock.stage("trace"), _overrides(model, module_override), traceable_batch_norms(model):
-        traced = trace_step(fn, args, kwargs, model, optimizer, roles, specs, plan.module_layouts())
+        traced = trace_step(
+            fn, args, kwargs, model, optimizer, roles, specs, plan.module_layouts(), plan.mixed_precision(model)
+        )
 
     context = PassContext(mesh=mesh, plan=plan, traced=traced)
     with clock.stage("global_passes"):

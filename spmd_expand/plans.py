@@ -15,12 +15,24 @@ from typing import Iterable, Mapping, Optional, Union
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from .boundaries import TP_STYLES, BoundaryLayouts, style_layouts
 from .errors import PlanError
 
-__all__ = ["ParallelStyle", "DDP", "FSDP", "TensorParallel", "Plan", "ResolvedPlan", "resolve_plan", "fqn_matches"]
+__all__ = [
+    "ParallelStyle",
+    "DDP",
+    "FSDP",
+    "TensorParallel",
+    "Plan",
+    "ResolvedPlan",
+    "ParamCast",
+    "MixedPrecision",
+    "resolve_plan",
+    "fqn_matches",
+]
 
 
 class ParallelStyle:
@@ -42,6 +54,10 @@ class ParallelStyle:
 
     # Whether gathered parameters are freed after forward and gathered again for backward.
     reshard_after_forward: bool = False
+
+    def mixed_precision(self, fqn: str) -> Optional[MixedPrecisionPolicy]:
+        """The mixed-precision policy parameter ``fqn`` is read and reduced with; None: its own dtype."""
+        return None
 
     def bind(self, model: nn.Module) -> None:
         """Resolve module references against the model being compiled."""
@@ -68,15 +84,37 @@ def _ignored_fqns(model: nn.Module, ignored: Iterable[Union[nn.Module, str]]) ->
     return frozenset(fqns)
 
 
+def _check_mp_policy(style: ParallelStyle) -> None:
+    policy = style.mp_policy
+    if policy is None:
+        return
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise PlanError(
+            f"{type(style).__name__}(mp_policy=...) takes a torch.distributed.fsdp.MixedPrecisionPolicy, got "
+            f"{type(policy).__module__}.{type(policy).__name__}\n  fix: MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+            f"reduce_dtype=torch.float32) (FSDP1's MixedPrecision is not this class)"
+        )
+    for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype = getattr(policy, name)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise PlanError(f"{type(style).__name__}: MixedPrecisionPolicy.{name}={dtype!r} is not a floating-point torch.dtype")
+
+
 class _DataParallel(ParallelStyle):
-    """Batch split on ``batch_dim``; parameters of ``ignored_modules`` keep rank-local gradients."""
+    """Batch split on ``batch_dim``; parameters of ``ignored_modules`` keep rank-local gradients and
+    their own dtype."""
 
     batch_dim: int
     ignored_modules: tuple
+    mp_policy: Optional[MixedPrecisionPolicy]
     _ignored: frozenset
 
     def bind(self, model: nn.Module) -> None:
         self._ignored = _ignored_fqns(model, self.ignored_modules)
+        _check_mp_policy(self)
+
+    def mixed_precision(self, fqn: str) -> Optional[MixedPrecisionPolicy]:
+        return None if fqn in self._ignored else self.mp_policy
 
     def batch_placement(self, tensor: torch.Tensor) -> Placement:
         if tensor.dim() <= self.batch_dim:
@@ -100,10 +138,16 @@ class DDP(_DataParallel):
         ignored_modules: modules (objects or FQNs) whose parameters are left out of gradient reduction.
             As in DDP, their gradients stay rank-local and every rank updates its own copy, so these
             parameters may drift apart across ranks and are not covered by the single-device promise.
+        mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy``, as for :class:`FSDP`: the module
+            computes with parameters cast to ``param_dtype`` and gradients are all-reduced in
+            ``reduce_dtype``. ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)`` alone is DDP's
+            ``bf16_compress_hook`` (``register_comm_hook``): fp32 compute, gradients all-reduced in bf16
+            (half the bytes), then cast back to the parameter's dtype.
     """
 
     batch_dim: int = 0
     ignored_modules: tuple = ()
+    mp_policy: Optional[MixedPrecisionPolicy] = None
     _ignored: frozenset = field(default=frozenset(), init=False, repr=False)
 
     def param_placement(self, fqn: str, param: torch.Tensor) -> Placement:
@@ -125,11 +169,20 @@ class FSDP(_DataParallel):
             for backward (less memory, one more all-gather per parameter); ``False`` keeps them.
         ignored_modules: modules (objects or FQNs) whose parameters are not sharded: they stay
             replicated and their gradients rank-local, as FSDP's ``ignored_params``.
+        mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy`` with ``fully_shard``'s semantics:
+            sharded parameters, gradients and optimizer states keep the parameters' dtype (fp32);
+            each parameter is cast to ``param_dtype`` on its shard, *then* all-gathered (the
+            all-gather moves ``param_dtype``); its gradient is cast to ``reduce_dtype`` (default:
+            ``param_dtype``), reduce-scattered in that dtype at the end of each backward, and cast
+            back to the parameter's dtype for the optimizer. ``cast_forward_inputs`` casts the root
+            module's floating-point inputs to ``param_dtype``; ``output_dtype`` casts its
+            floating-point outputs. Buffers keep their dtype (as in FSDP2). None: no casts.
     """
 
     batch_dim: int = 0
     reshard_after_forward: bool = True
     ignored_modules: tuple = ()
+    mp_policy: Optional[MixedPrecisionPolicy] = None
     _ignored: frozenset = field(default=frozenset(), init=False, repr=False)
 
     def param_placement(self, fqn: str, param: torch.Tensor) -> Placement:
@@ -288,6 +341,28 @@ Plan = Union[ParallelStyle, Mapping[str, ParallelStyle]]
 
 
 @dataclass(frozen=True)
+class ParamCast:
+    """How the step reads one parameter under mixed precision (FSDP2's ``MixedPrecisionPolicy``).
+
+    The module computes with the parameter cast to ``param_dtype`` (cast on the stored shard, so an
+    FSDP all-gather moves ``param_dtype``); its gradient is cast to ``reduce_dtype``, reduced per the
+    plan in that dtype, and cast back to the parameter's own dtype.
+    """
+
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """The plan's mixed precision for one model: a :class:`ParamCast` per parameter FQN that needs
+    one, and the policy whose ``cast_forward_inputs``/``output_dtype`` apply at the root module."""
+
+    casts: Mapping[str, ParamCast]
+    policy: MixedPrecisionPolicy
+
+
+@dataclass(frozen=True)
 class ResolvedPlan:
     """Per-tensor placement tuples (one entry per mesh dim) for a plan on a mesh."""
 
@@ -306,6 +381,36 @@ class ResolvedPlan:
     @property
     def reshard_after_forward(self) -> bool:
         return any(s.reshard_after_forward for s in self.styles)
+
+    def mixed_precision(self, model: nn.Module) -> Optional[MixedPrecision]:
+        """The casts the styles' ``mp_policy`` asks for on ``model``'s parameters; None without a policy.
+
+        A parameter's policy comes from the styles that give one (FSDP on one mesh dim, DDP on
+        another: the same policy, or a PlanError); ``reduce_dtype`` defaults to ``param_dtype``, and
+        ``param_dtype`` to the parameter's own dtype. Non-floating parameters are never cast.
+
+        Raises:
+            PlanError: two mesh dims' styles give different policies.
+        """
+        policies = {s.mp_policy for s in self.styles if getattr(s, "mp_policy", None) is not None}
+        if not policies:
+            return None
+        if len(policies) > 1:
+            raise PlanError(
+                f"the plan's styles give different mixed-precision policies {sorted(map(str, policies))}; give "
+                f"every mesh dim's style the same mp_policy (or one style only)"
+            )
+        casts = {}
+        for fqn, param in model.named_parameters():
+            chosen = {s.mixed_precision(fqn) for s in self.styles} - {None}
+            if not chosen or not param.dtype.is_floating_point:
+                continue
+            (policy,) = chosen
+            param_dtype = policy.param_dtype or param.dtype
+            reduce_dtype = policy.reduce_dtype or param_dtype
+            if param_dtype != param.dtype or reduce_dtype != param.dtype:
+                casts[fqn] = ParamCast(param_dtype, reduce_dtype)
+        return MixedPrecision(casts, next(iter(policies)))
 
     def module_layouts(self) -> dict[str, list[tuple[int, BoundaryLayouts]]]:
         """Module FQN -> [(mesh dim, :class:`~spmd_expand.boundaries.BoundaryLayouts`)] for

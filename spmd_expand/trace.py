@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
@@ -36,6 +37,7 @@ import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from torch._dynamo.source import ConstantSource
@@ -47,6 +49,7 @@ from . import ops
 from .boundaries import mark_boundaries
 from .errors import TraceError, user_source_line
 from .loss_parallel import MarkLossParallel
+from .plans import MixedPrecision, ParamCast
 
 __all__ = [
     "HyperParameter",
@@ -223,7 +226,42 @@ def _nll_loss_mean_as_sum(self, target, weight, reduction, ignore_index):
 
 # Applied while functionalizing (pass 2): rewrites that keep single-device values and give the
 # sharded program the global semantics.
-_DECOMPOSITIONS = {aten.nll_loss_forward.default: _nll_loss_mean_as_sum}
+_REWRITES = {aten.nll_loss_forward.default: _nll_loss_mean_as_sum}
+# Ops with a decomposition but no DTensor strategy that stay as they are: host reads and constants
+# (refused or placed by spmd_expand's own rules).
+_KEEP = frozenset({aten.item.default, aten.sym_numel.default, aten.lift.default, aten.lift_fresh.default})
+
+
+@functools.cache
+def _decompositions() -> dict:
+    """The rewrites above, plus torch's decomposition of every op DTensor has no strategy for.
+
+    DTensor (torch 2.13, ``DecompShardingStrategy``) places such an op by tracing its decomposition,
+    but the op then runs as is on the local shards, where a constant the decomposition takes from the
+    *global* shape comes out of the *local* one: ``mse_loss_backward`` with ``reduction="mean"``
+    divides by the local element count, so data-parallel gradients came out W times too large
+    (``smooth_l1_loss``, ``huber_loss``, ``binary_cross_entropy`` alike). Decomposed here, while the
+    graph still has global (symbolic) shapes, every size is global and every op left has a strategy.
+    """
+    from torch._decomp import decomposition_table
+    from torch.distributed.tensor import DTensor
+
+    from . import rules
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    placed = set(prop.op_strategy_funcs) | set(prop.op_to_rules) | set(prop.op_single_dim_strategy_funcs)
+    table = {
+        op: fn
+        for op, fn in decomposition_table.items()
+        if isinstance(op, torch._ops.OpOverload)
+        and op not in placed
+        and op not in _KEEP
+        and rules.lookup(op) is None
+        and not op.name().endswith("_")  # in-place: functionalization has removed them
+        # torch._refs decompositions produce prims ops, which DTensor cannot place either.
+        and not getattr(fn, "__module__", "").startswith("torch._refs")
+    }
+    return {**table, **_REWRITES}
 
 
 class _FunctionalizingInterpreter(fx.Interpreter):
@@ -296,6 +334,54 @@ def _mutates_first_arg(func: Callable) -> bool:
     return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i") or name == "__setitem__"
 
 
+class _CastForCompute(torch.autograd.Function):
+    """A parameter read under mixed precision (FSDP2's ``MixedPrecisionPolicy`` semantics).
+
+    Forward: the parameter cast to ``param_dtype`` (before the ``unshard`` marker, so the cast runs
+    on the shard and an FSDP all-gather moves ``param_dtype``). Backward: the gradient cast to
+    ``reduce_dtype``, reduced per the plan right there (a ``gradient`` marker: at the end of each
+    backward, as FSDP2 and DDP reduce, in ``reduce_dtype``), then cast to the parameter's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, param: torch.Tensor, param_dtype: torch.dtype, reduce_dtype: torch.dtype, fqn: str) -> torch.Tensor:
+        ctx.dtype, ctx.reduce_dtype, ctx.fqn = param.dtype, reduce_dtype, fqn
+        return param.to(param_dtype, copy=True)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        reduced = ops.gradient(grad.to(ctx.reduce_dtype), ctx.fqn)
+        return reduced.to(ctx.dtype), None, None, None
+
+
+@contextlib.contextmanager
+def _cast_root_io(model: nn.Module, policy: Optional[MixedPrecisionPolicy]) -> Iterator[None]:
+    """While tracing: the root module's floating-point inputs cast to ``param_dtype``
+    (``cast_forward_inputs``) and its floating-point outputs to ``output_dtype``, as FSDP2 does at
+    a ``fully_shard`` module's boundary."""
+    hooks = []
+
+    def cast(dtype: torch.dtype, tree: Any) -> Any:
+        return pytree.tree_map_only(
+            torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, tree
+        )
+
+    if policy is not None and policy.param_dtype is not None and policy.cast_forward_inputs:
+        hooks.append(
+            model.register_forward_pre_hook(
+                lambda _, args, kwargs: (cast(policy.param_dtype, args), cast(policy.param_dtype, kwargs)),
+                with_kwargs=True,
+            )
+        )
+    if policy is not None and policy.output_dtype is not None:
+        hooks.append(model.register_forward_hook(lambda _, args, out: cast(policy.output_dtype, out)))
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 class _StepMode(TorchFunctionMode):
     """Marks, while the step is traced, where it reads parameters and gradients, and tags backward.
 
@@ -304,15 +390,17 @@ class _StepMode(TorchFunctionMode):
       ``fx_traceback.preserve_node_meta()``); later stages tell forward from backward uses by it.
     * A parameter passed to a torch function outside backward and outside ``optimizer.step()`` is
       replaced by ``unshard(param)`` (one marker per parameter, reused; in-place ops still write to the
-      parameter itself). Autograd's gradient flows through the marker to the leaf.
+      parameter itself). Autograd's gradient flows through the marker to the leaf. Under mixed
+      precision the marker reads ``_CastForCompute(param)`` instead.
     * Reading ``param.grad`` outside backward returns ``gradient(grad)`` and stores it back, so the
       optimizer, ``clip_grad_norm_`` and user code all see the gradient reduced per the plan, reduced
       once however often it is read (until a later backward accumulates into it again).
     """
 
-    def __init__(self, params: Mapping[int, tuple[str, torch.Tensor]]) -> None:
+    def __init__(self, params: Mapping[int, tuple[str, torch.Tensor]], casts: Mapping[str, ParamCast]) -> None:
         super().__init__()
         self.params = params  # id(leaf) -> (fqn, leaf)
+        self.casts = casts  # fqn -> ParamCast, for parameters read in another dtype
         self.backward_calls = 0
         self.in_backward = False
         self.in_optimizer = 0
@@ -338,7 +426,9 @@ class _StepMode(TorchFunctionMode):
         key = (id(param), torch.is_grad_enabled(), param._version)
         marker = self._unshard.get(key)
         if marker is None:
-            marker = self._unshard[key] = ops.unshard(param, fqn)
+            cast = self.casts.get(fqn)
+            read = param if cast is None else _CastForCompute.apply(param, cast.param_dtype, cast.reduce_dtype, fqn)
+            marker = self._unshard[key] = ops.unshard(read, fqn)
         return marker
 
     def _read_grad(self, param: torch.Tensor, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -471,6 +561,7 @@ def trace_step(
     input_roles: list[InputRole],
     input_specs: list[TensorSpec],
     module_layouts: Optional[Mapping[str, list]] = None,
+    mixed_precision: Optional[MixedPrecision] = None,
 ) -> TracedStep:
     """Trace ``fn(*args, **kwargs)`` into a functional global graph.
 
@@ -478,6 +569,8 @@ def trace_step(
         fn: the user's train step; ``model`` and ``optimizer`` appear among ``args``/``kwargs``.
         module_layouts: module FQN -> [(mesh dim, :class:`~spmd_expand.boundaries.BoundaryLayouts`)]:
             where ``layout`` markers go (tensor-parallel module boundaries).
+        mixed_precision: parameters read in another dtype and the root's input/output casts
+            (:meth:`spmd_expand.plans.ResolvedPlan.mixed_precision`); None: none.
         input_roles / input_specs: one entry per graph input, with global shapes. Batch inputs
             (``kind == "batch"``, ``key`` = index among the tensor leaves of ``(args, kwargs)``) take
             the place of those leaves; param/buffer/grad/state inputs replace the model's and
@@ -527,7 +620,7 @@ def trace_step(
         params = {r.fqn: nn.Parameter(t, requires_grad=real_params[r.fqn].requires_grad) for r, t in by_role.items() if r.kind == "param"}
         buffers = {r.fqn: t for r, t in by_role.items() if r.kind == "buffer"}
         swap = {id(real_params[fqn]): p for fqn, p in params.items()}
-        mode = _StepMode({id(p): (fqn, p) for fqn, p in params.items()})
+        mode = _StepMode({id(p): (fqn, p) for fqn, p in params.items()}, mixed_precision.casts if mixed_precision else {})
         states: dict[int, dict[str, Any]] = {}
         if optimizer is not None:
             for p, st in optimizer.state.items():
@@ -553,7 +646,9 @@ def trace_step(
         try:
             with stateless._reparametrize_module(model, {**params, **buffers}, tie_weights=True), _optimizer_on(
                 optimizer, swap, states, hyperparameters, hp_values
-            ), mark_boundaries(model, module_layouts or {}), mode:
+            ), mark_boundaries(model, module_layouts or {}), _cast_root_io(
+                model, mixed_precision.policy if mixed_precision else None
+            ), mode:
                 result = fn(*call_args, **call_kwargs)
                 for original, wide, fqn, key in widened:
                     original.copy_(wide)
@@ -606,7 +701,7 @@ def trace_step(
 
             functional = make_fx(
                 torch.func.functionalize(replay, remove="mutations"),
-                decomposition_table=_DECOMPOSITIONS,
+                decomposition_table=_decompositions(),
                 tracing_mode="symbolic",
             )(*detached, *sym_values)
     except TraceError:

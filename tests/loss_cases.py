@@ -1,0 +1,92 @@
+"""torch.nn.functional losses under data parallelism: gradients equal one device's over the global batch.
+
+Each loss's gradients are returned from the step (no optimizer), so a gradient off by the data-parallel
+size cannot hide behind a scale-invariant update (Adam).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import spmd_expand as spmd
+
+ROWS, IN, OUT = 8, 6, 4
+
+
+def _targets(g: torch.Generator) -> dict:
+    return {
+        "real": torch.randn(ROWS, OUT, generator=g),
+        "prob": torch.rand(ROWS, OUT, generator=g),
+        "sign": torch.randint(0, 2, (ROWS, OUT), generator=g).float() * 2 - 1,
+        "class": torch.randint(0, OUT, (ROWS,), generator=g),
+        "log_prob": F.log_softmax(torch.randn(ROWS, OUT, generator=g), -1),
+    }
+
+
+# name -> (loss of (output, targets dict))
+LOSSES = {
+    "mse": lambda o, t: F.mse_loss(o, t["real"]),
+    "l1": lambda o, t: F.l1_loss(o, t["real"]),
+    "smooth_l1": lambda o, t: F.smooth_l1_loss(o, t["real"], beta=0.5),
+    "huber": lambda o, t: F.huber_loss(o, t["real"], delta=0.5),
+    "bce": lambda o, t: F.binary_cross_entropy(torch.sigmoid(o), t["prob"]),
+    "bce_with_logits": lambda o, t: F.binary_cross_entropy_with_logits(o, t["prob"], pos_weight=torch.full((OUT,), 2.0)),
+    "soft_margin": lambda o, t: F.soft_margin_loss(o, t["sign"]),
+    "kl_div_batchmean": lambda o, t: F.kl_div(F.log_softmax(o, -1), t["log_prob"], reduction="batchmean", log_target=True),
+    "cross_entropy_smoothing": lambda o, t: F.cross_entropy(o, t["class"], label_smoothing=0.1),
+    "poisson_nll": lambda o, t: F.poisson_nll_loss(o, t["prob"]),
+    "multilabel_soft_margin": lambda o, t: F.multilabel_soft_margin_loss(o, (t["sign"] > 0).float()),
+    "cosine_embedding": lambda o, t: F.cosine_embedding_loss(o, t["real"], t["sign"][:, 0]),
+    "hinge_embedding": lambda o, t: F.hinge_embedding_loss(o, t["sign"]),
+    "mse_sum": lambda o, t: F.mse_loss(o, t["real"], reduction="sum"),
+}
+
+
+def _step(loss_fn):
+    def step(model, x, targets):
+        loss = loss_fn(model(x), targets)
+        loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        model.zero_grad()
+        return loss, grads
+
+    return step
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def run_losses(rank: int, world: int, plan: str, names: list[str]) -> dict:
+    """Worker: per loss, (loss, grads) compiled on W ranks and on one device over the global batch."""
+    import traceback
+
+    mesh = init_device_mesh("cpu", (world,))
+    results = {}
+    for name in names:
+        try:
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(IN, 16), nn.Tanh(), nn.Linear(16, OUT))
+            reference = copy.deepcopy(model)
+            step_fn = _step(LOSSES[name])
+            step = spmd.compile(mesh=mesh, plan=spmd.FSDP() if plan == "fsdp" else spmd.DDP(), lower="eager")(step_fn)
+            g = torch.Generator().manual_seed(1)
+            x, targets = torch.randn(ROWS, IN, generator=g), _targets(g)
+            ref_loss, ref_grads = step_fn(reference, x, targets)
+            local = {k: v.chunk(world)[rank] for k, v in targets.items()}
+            loss, grads = step(model, x.chunk(world)[rank], local)
+            results[name] = {
+                "loss": loss.detach(),
+                "ref_loss": ref_loss.detach(),
+                "grads": [_full(t) for t in grads],
+                "ref_grads": [t.clone() for t in ref_grads],
+            }
+        except Exception:  # noqa: BLE001 - reported per loss by the test
+            results[name] = {"error": traceback.format_exc()}
+    return results
