@@ -116,6 +116,13 @@ def distribute_state(
     The conversion of ``spmd.compile``'s first call and of :func:`spmd_expand.parallelize`.
     ``timeout`` bounds the wait of the cross-rank check (default: the store's).
 
+    Parameters on the meta device (a model built under ``torch.device("meta")``) become meta
+    DTensors with the plan's placements and this rank's local shape (``Shard(0)``: dim 0 split as
+    ``torch.chunk`` splits it), with no communication; meta buffers stay meta. Nothing is allocated:
+    ``model.to_empty(device=...)`` then allocates only the local shards, to be initialized or loaded
+    into (FSDP2's flow). The cross-rank check compares names, shapes, dtypes, placements and which
+    tensors are meta, never values.
+
     Raises:
         DivergenceError: before the first broadcast, when the ranks' models differ (names, shapes,
             dtypes, ``requires_grad``, placements; :mod:`spmd_expand.rank_check`).
@@ -131,22 +138,44 @@ def distribute_state(
     for fqn, p in model.named_parameters():
         if isinstance(p, DTensor):
             continue
-        dt = distribute_tensor(p.detach(), mesh, plan.param_placements(fqn, p))
+        dt = _distribute(p.detach(), mesh, plan.param_placements(fqn, p))
         new[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
     fqn_of = {id(p): fqn for fqn, p in model.named_parameters()}
     if optimizer is not None:
         for p, st in optimizer.state.items():
             for key, v in list(st.items()):
                 if isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
-                    st[key] = distribute_tensor(v, mesh, plan.state_placements(fqn_of[id(p)], p, v))
+                    st[key] = _distribute(v, mesh, plan.state_placements(fqn_of[id(p)], p, v))
     if new:
         # Buffers stay plain tensors, replicated: every rank must hold rank 0's values (a rank that
         # differs would silently compute another model), so they are broadcast along with the
         # parameters, as DDP does at construction.
         for b in model.buffers():
-            if not isinstance(b, DTensor):
+            if not isinstance(b, DTensor) and not b.is_meta:
                 b.copy_(distribute_tensor(b, mesh, replicate(mesh)).to_local())
     _rebind_parameters(model, optimizer, new)
+
+
+def _distribute(tensor: torch.Tensor, mesh: DeviceMesh, placements) -> DTensor:
+    """``distribute_tensor`` from rank 0; a meta tensor has no values to send, so each rank only
+    cuts its local shape (``src_data_rank=None``: no collective)."""
+    return distribute_tensor(tensor, mesh, placements, src_data_rank=None if tensor.is_meta else 0)
+
+
+def refuse_meta_state(model: nn.Module, where: str) -> None:
+    """Raise TraceError when a parameter or buffer of ``model`` is still on the meta device.
+
+    Raises:
+        TraceError: names the first meta tensor and the fix (``to_empty``, then initialize or load).
+    """
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for fqn, t in named:
+            if t.is_meta:
+                raise TraceError(
+                    f"{where}: {kind} {fqn!r} of {type(model).__name__} is on the meta device (no values); call "
+                    f"model.to_empty(device=...) after spmd.parallelize / CompiledStep.prepare, then initialize it "
+                    f"(model.apply(init_fn), reset_parameters()) or load a checkpoint into it, before the first step"
+                )
 
 
 def _check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -293,6 +322,10 @@ class CompiledStep:
 
         Use it before loading a sharded checkpoint (``torch.distributed.checkpoint``, or
         ``set_state_dict``) into a model that has not run a step yet. Idempotent.
+
+        A model built on the meta device gets meta DTensor parameters of this rank's local shapes
+        (see :func:`distribute_state`): call ``model.to_empty(device=...)``, initialize or load, and
+        build the optimizer before the first call.
         """
         if optimizer is not None:
             _check_optimizer_params(model, optimizer)
@@ -315,6 +348,7 @@ class CompiledStep:
                 attempted = self._state_attempted.setdefault(optimizer, set())
                 if initialize_optimizer_state(model, optimizer, attempted):
                     self._distribute_state(model, optimizer)
+            refuse_meta_state(model, "spmd.compile")
         else:
             self._resolved = self._binding.resolved
         check_batch(batch_leaves, self._resolved, self.mesh)
