@@ -1,17 +1,20 @@
 """Workers for meta-device initialization and mixed FSDP/DDP plans, each against one device.
 
 A model built under ``torch.device("meta")`` is distributed without values (meta DTensors of the
-local shapes), ``to_empty``-ed, loaded from the reference model's full state dict into its shards,
-and trained with AdamW; the reference trains on one device over the global batch.
+local shapes), ``to_empty``-ed, loaded from the reference model's full state dict (or from a
+``torch.distributed.checkpoint`` of it) into its shards, and trained with AdamW; the reference
+trains on one device over the global batch.
 """
 
 from __future__ import annotations
 
+import os
 import traceback
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -41,9 +44,10 @@ def _tokens(i: int):
     return idx, torch.roll(idx, -1, 1)
 
 
-def _meta_gpt_loaded_from(reference, distribute) -> tuple[GPT, dict]:
-    """Build a GPT on meta, ``distribute`` it, check it is meta DTensors of local shapes, ``to_empty``,
-    then load ``reference``'s full state dict into the shards."""
+def _meta_gpt_loaded_from(reference, distribute, checkpoint: str | None = None) -> tuple[GPT, dict]:
+    """Build a GPT on meta, ``distribute`` it, record its parameters (meta DTensors of local shapes
+    expected), ``to_empty``, then load ``reference``'s weights into the shards: from its full state
+    dict, or (``checkpoint``: a folder all ranks share) from a ``torch.distributed.checkpoint`` of it."""
     with torch.device("meta"):
         model = GPT(GPT_CONFIG)
     distribute(model)
@@ -52,8 +56,14 @@ def _meta_gpt_loaded_from(reference, distribute) -> tuple[GPT, dict]:
         for fqn, p in model.named_parameters()
     }
     model.to_empty(device="cpu")
-    full = {k: v.detach().clone() for k, v in reference.state_dict().items()}
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+    if checkpoint is None:
+        full = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+    else:
+        dcp.save(reference.state_dict(), checkpoint_id=checkpoint)  # plain tensors: saved once
+        sharded = get_model_state_dict(model)  # DTensor shards, read in place by dcp.load
+        dcp.load(sharded, checkpoint_id=checkpoint)
+        set_model_state_dict(model, sharded)
     return model, seen
 
 
@@ -68,12 +78,12 @@ def _result(model, reference, losses, ref_losses, seen) -> dict:
     }
 
 
-def compiled_step(plan_name: str, mesh) -> dict:
+def compiled_step(plan_name: str, mesh, checkpoint: str | None = None) -> dict:
     """``spmd.compile`` path: ``CompiledStep.prepare`` on the meta model."""
     plan = PLANS[plan_name]()
     reference = build_gpt(GPT_CONFIG, seed=0)
     step = spmd.compile(mesh=mesh, plan=plan, lower="eager")(language_model_step)
-    model, seen = _meta_gpt_loaded_from(reference, step.prepare)
+    model, seen = _meta_gpt_loaded_from(reference, step.prepare, checkpoint)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     resolved = resolve_plan(plan, mesh, reference)
@@ -127,14 +137,17 @@ def random_init(mesh) -> dict:
     return {"replicated": replicated, "sharded": {k: v.to_local().clone() for k, v in sharded.named_parameters()}}
 
 
-def run(rank: int, world: int, runs: list[tuple[str, str]]) -> dict:
-    """Worker: each (path, plan) on this rank; errors are returned per run, not raised."""
+def run(rank: int, world: int, runs: list[tuple[str, str]], checkpoint_root: str) -> dict:
+    """Worker: each (path, plan) on this rank; errors are returned per run, not raised.
+    ``checkpoint_root``: a folder all ranks share, for the ``compile_dcp`` path."""
     mesh = init_device_mesh("cpu", (world,))
     results = {}
     for path, plan_name in runs:
         try:
             if path == "random_init":
                 results[(path, plan_name)] = random_init(mesh)
+            elif path == "compile_dcp":
+                results[(path, plan_name)] = compiled_step(plan_name, mesh, os.path.join(checkpoint_root, plan_name))
             else:
                 fn = compiled_step if path == "compile" else torch_compile_loop
                 results[(path, plan_name)] = fn(plan_name, mesh)
