@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -16,10 +17,11 @@ from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from .errors import PlanError, SpmdError, TraceError
 from .expand import RedistributeCache
@@ -120,8 +122,9 @@ def distribute_state(
     DTensors with the plan's placements and this rank's local shape (``Shard(0)``: dim 0 split as
     ``torch.chunk`` splits it), with no communication; meta buffers stay meta. Nothing is allocated:
     ``model.to_empty(device=...)`` then allocates only the local shards, to be initialized or loaded
-    into (FSDP2's flow). The cross-rank check compares names, shapes, dtypes, placements and which
-    tensors are meta, never values.
+    into (FSDP2's flow); the broadcast of replicated state happens before the first step instead
+    (:func:`broadcast_materialized_state`). The cross-rank check compares names, shapes, dtypes,
+    placements and which tensors are meta, never values.
 
     Raises:
         DivergenceError: before the first broadcast, when the ranks' models differ (names, shapes,
@@ -135,6 +138,8 @@ def distribute_state(
             timeout,
         )
     new: dict[int, nn.Parameter] = {}
+    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+        _DISTRIBUTED_ON_META.add(model)
     for fqn, p in model.named_parameters():
         if isinstance(p, DTensor):
             continue
@@ -162,11 +167,24 @@ def _distribute(tensor: torch.Tensor, mesh: DeviceMesh, placements) -> DTensor:
     return distribute_tensor(tensor, mesh, placements, src_data_rank=None if tensor.is_meta else 0)
 
 
-def refuse_meta_state(model: nn.Module, where: str) -> None:
-    """Raise TraceError when a parameter or buffer of ``model`` is still on the meta device.
+# Models distributed while on the meta device: their replicated state gets values only later
+# (to_empty, then the user's init or load), so it is broadcast once it has them.
+_DISTRIBUTED_ON_META: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def broadcast_materialized_state(model: nn.Module, mesh: DeviceMesh, where: str) -> None:
+    """Before the first step of a model distributed on the meta device: refuse state still on meta,
+    then broadcast every replicated parameter and buffer (each ``Replicate()`` mesh dim, from that
+    dim's first rank), once.
+
+    This is the broadcast :func:`distribute_state` does for a materialized model (DDP's broadcast at
+    construction), moved to after initialization: DTensor random init on a CPU mesh draws each rank's
+    local tensor from its own generator, so replicated parameters may differ across ranks (e.g. after
+    unevenly sharded parameters drew different counts). Sharded parameters are left as they are.
 
     Raises:
-        TraceError: names the first meta tensor and the fix (``to_empty``, then initialize or load).
+        TraceError: a parameter or buffer is still on the meta device (names it and the fix:
+            ``to_empty``, then initialize or load).
     """
     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
         for fqn, t in named:
@@ -176,6 +194,15 @@ def refuse_meta_state(model: nn.Module, where: str) -> None:
                     f"model.to_empty(device=...) after spmd.parallelize / CompiledStep.prepare, then initialize it "
                     f"(model.apply(init_fn), reset_parameters()) or load a checkpoint into it, before the first step"
                 )
+    if model not in _DISTRIBUTED_ON_META or not dist.is_initialized() or dist.get_backend() == "fake":
+        return
+    with torch.no_grad():
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            local, placements = (t.to_local(), t.placements) if isinstance(t, DTensor) else (t, replicate(mesh))
+            for mesh_dim, placement in enumerate(placements):
+                if isinstance(placement, Replicate) and mesh.size(mesh_dim) > 1:
+                    dist.broadcast(local, group=mesh.get_group(mesh_dim), group_src=0)
+    _DISTRIBUTED_ON_META.discard(model)
 
 
 def _check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -348,7 +375,7 @@ class CompiledStep:
                 attempted = self._state_attempted.setdefault(optimizer, set())
                 if initialize_optimizer_state(model, optimizer, attempted):
                     self._distribute_state(model, optimizer)
-            refuse_meta_state(model, "spmd.compile")
+            broadcast_materialized_state(model, self.mesh, "spmd.compile")
         else:
             self._resolved = self._binding.resolved
         check_batch(batch_leaves, self._resolved, self.mesh)

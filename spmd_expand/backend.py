@@ -49,7 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from . import ops
-from .api import distribute_state, refuse_meta_state
+from .api import broadcast_materialized_state, distribute_state
 from .boundaries import encode_placement, mark_boundaries
 from .errors import SpmdError, TraceError
 from .expand import RedistributeCache
@@ -304,7 +304,7 @@ def spmd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Opt
     if lower not in LOWERINGS:
         raise SpmdError(f"torch.compile(backend=\"spmd\"): option lower={lower!r} is not one of {LOWERINGS}")
     model, info = _owner(example_inputs, options)
-    refuse_meta_state(model, "torch.compile(backend=\"spmd\")")
+    broadcast_materialized_state(model, info.mesh, "torch.compile(backend=\"spmd\")")
     for name in ("mesh", "plan"):
         if name in options and options[name] is not getattr(info, name):
             raise SpmdError(

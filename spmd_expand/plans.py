@@ -205,11 +205,16 @@ def _fqns_under(model: nn.Module, globs: Union[str, Iterable[str]], what: str) -
     for pattern in globs:
         matched = [name for name in names if fqn_matches(pattern, name)]
         if not matched:
-            raise PlanError(f"{what} glob {pattern!r} matches no submodule of {type(model).__name__}; module FQNs "
-                            f"are matched atom by atom ('layers.*' matches 'layers.0')")
+            raise PlanError(
+                f"{what} glob {pattern!r} matches no submodule of {type(model).__name__}; globs match module "
+                f"FQNs from model.named_modules() atom by atom ('layers.*' matches 'layers.0', not 'layers.0.attn')"
+            )
         prefixes.extend(matched)
-    held = {id(p) for fqn, p in model.named_parameters(remove_duplicate=False)
-            if any(fqn.startswith(prefix + ".") for prefix in prefixes)}
+    held = {
+        id(p)
+        for fqn, p in model.named_parameters(remove_duplicate=False)
+        if any(fqn.startswith(prefix + ".") for prefix in prefixes)
+    }
     return frozenset(fqn for fqn, p in model.named_parameters() if id(p) in held)
 
 

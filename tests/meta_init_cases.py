@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import spmd_expand as spmd
-from spmd_expand.app.models import GPT, build_gpt, language_model_step
+from spmd_expand.app.models import GPT, build_gpt, classification_step, language_model_step
 from spmd_expand.plans import resolve_plan
 from spmd_expand.spec import local_slice
 
@@ -137,6 +137,34 @@ def random_init(mesh) -> dict:
     return {"replicated": replicated, "sharded": {k: v.to_local().clone() for k, v in sharded.named_parameters()}}
 
 
+def replicated_broadcast_before_first_step(mesh, path: str) -> dict:
+    """Randomly initialized shards that draw different counts of numbers on different ranks (5 rows
+    on 2 ranks: 3 and 2) leave the replicated layer after them different across ranks; the first
+    step (``spmd.compile``) or compilation (``torch.compile``) broadcasts it from rank 0."""
+    torch._dynamo.reset()
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    plan = spmd.FSDP(modules=["0"])
+    step = spmd.compile(mesh=mesh, plan=plan, lower="eager")(classification_step)
+    if path == "compile":
+        step.prepare(model)
+    else:
+        spmd.parallelize(model, mesh, plan)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for layer in (model[0], model[2]):
+        layer.reset_parameters()
+    before = {k: v.to_local().clone() for k, v in model[2].named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the step leaves values as they are
+    x, y = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)), torch.zeros(4, dtype=torch.long)
+    if path == "compile":
+        step(model, optimizer, x, y)
+    else:
+        compiled = torch.compile(model, backend="spmd", options={"mesh": mesh, "plan": plan, "lower": "eager"})
+        F.cross_entropy(compiled(x), y).backward()
+    return {"before": before, "after": {k: v.to_local().clone() for k, v in model[2].named_parameters()}}
+
+
 def run(rank: int, world: int, runs: list[tuple[str, str]], checkpoint_root: str) -> dict:
     """Worker: each (path, plan) on this rank; errors are returned per run, not raised.
     ``checkpoint_root``: a folder all ranks share, for the ``compile_dcp`` path."""
@@ -146,6 +174,8 @@ def run(rank: int, world: int, runs: list[tuple[str, str]], checkpoint_root: str
         try:
             if path == "random_init":
                 results[(path, plan_name)] = random_init(mesh)
+            elif path.startswith("replicated_broadcast_"):
+                results[(path, plan_name)] = replicated_broadcast_before_first_step(mesh, path.removeprefix("replicated_broadcast_"))
             elif path == "compile_dcp":
                 results[(path, plan_name)] = compiled_step(plan_name, mesh, os.path.join(checkpoint_root, plan_name))
             else:

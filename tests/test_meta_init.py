@@ -31,6 +31,8 @@ RUNS = [
     ("torch_compile", "fsdp"),
     ("torch_compile", "fsdp_blocks"),
     ("random_init", "ddp"),
+    ("replicated_broadcast_compile", "fsdp_0"),
+    ("replicated_broadcast_torch_compile", "fsdp_0"),
 ]
 BLOCK = "layers."
 
@@ -51,7 +53,7 @@ def _expected_placement(plan_name, fqn, shape):
     return (Shard(0),) if sharded and len(shape) else (Replicate(),)
 
 
-@pytest.mark.parametrize("run", [r for r in RUNS if r[0] != "random_init"], ids="-".join)
+@pytest.mark.parametrize("run", [r for r in RUNS if r[0] in ("compile", "compile_dcp", "torch_compile")], ids="-".join)
 def test_meta_model_loaded_into_shards_trains_like_one_device(results, run):
     path, plan_name = run
     per_rank = _ok(results, run)
@@ -83,6 +85,17 @@ def test_random_init_on_a_cpu_mesh_is_rank_local(results):
     for name in ("weight", "bias"):
         torch.testing.assert_close(per_rank[0]["replicated"][name], per_rank[1]["replicated"][name], rtol=0, atol=0)
     torch.testing.assert_close(per_rank[0]["sharded"]["weight"], per_rank[1]["sharded"]["weight"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("path", ["compile", "torch_compile"])
+def test_replicated_parameters_are_broadcast_before_the_first_step(results, path):
+    per_rank = _ok(results, (f"replicated_broadcast_{path}", "fsdp_0"))
+    # Random init after uneven shards: the replicated layer differs across ranks ...
+    assert not torch.equal(per_rank[0]["before"]["weight"], per_rank[1]["before"]["weight"])
+    # ... until the first step (or compilation) broadcasts rank 0's values.
+    for name, value in per_rank[0]["before"].items():
+        for rank, r in enumerate(per_rank):
+            torch.testing.assert_close(r["after"][name], value, rtol=0, atol=0, msg=lambda m: f"rank {rank} {name}: {m}")
 
 
 # ---------------------------------------------------------------------------------- in-process checks
