@@ -188,3 +188,16 @@ def test_cpu_offload_on_a_device_mesh_is_refused():
 def test_offload_policy_of_another_type_is_refused(fake_mesh):
     with pytest.raises(spmd.PlanError, match="OffloadPolicy"):
         resolve_plan(spmd.FSDP(offload_policy="cpu"), fake_mesh, build_gpt(GPT_CONFIG))
+
+
+def test_cross_rank_state_check_tells_meta_from_materialized():
+    # A rank on meta skips the broadcast the others enter: the structural check must differ.
+    from spmd_expand.rank_check import state_entries
+
+    with torch.device("meta"):
+        meta = torch.nn.Linear(4, 2)
+    plain = torch.nn.Linear(4, 2)
+    placements = lambda fqn, p: (Replicate(),)  # noqa: E731
+    meta_entries, _ = state_entries(meta, placements)
+    assert meta_entries != state_entries(plain, placements)[0]
+    assert all(" meta " in e for e in meta_entries)
