@@ -371,11 +371,11 @@ class CompiledStep:
         if bound is None:
             # Every full call: state loaded since the last call (e.g. by set_state_dict) may be plain tensors.
             self.prepare(model, optimizer)
+            broadcast_materialized_state(model, self.mesh, "spmd.compile")
             if optimizer is not None:
                 attempted = self._state_attempted.setdefault(optimizer, set())
                 if initialize_optimizer_state(model, optimizer, attempted):
                     self._distribute_state(model, optimizer)
-            broadcast_materialized_state(model, self.mesh, "spmd.compile")
         else:
             self._resolved = self._binding.resolved
         check_batch(batch_leaves, self._resolved, self.mesh)
