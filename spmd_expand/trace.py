@@ -596,8 +596,12 @@ def trace_step(
         with torch.compiler._compile_session_context(), torch.enable_grad():
             # _compile_session_context: optimizers take their traceable paths (`step` stays a tensor,
             # no .item()), with the same arithmetic as their default eager path.
-            with fx_traceback.preserve_node_meta(), MarkLossParallel():
+            # _non_strict_tracing_context: selective activation checkpointing takes its eager path
+            # (saves what its policy saves, recomputes the rest inside backward, where make_fx
+            # records it) instead of only tagging nodes for AOTAutograd's partitioner.
+            with fx_traceback.preserve_node_meta(), MarkLossParallel(), torch.compiler._non_strict_tracing_context():
                 autograd_graph = make_fx(step, tracing_mode="symbolic", record_stack_traces=True)(*fakes, *sym_values)
+            _recomputed_reads_through_unshard(autograd_graph)
             detached = [t.detach() for t in fakes]
 
             def replay(*flat: Any) -> list[torch.Tensor]:
@@ -638,6 +642,29 @@ def trace_step(
         hyperparameters,
         _hyperparameter_guards(shape_env, symbols, hyperparameters),
     )
+
+
+def _recomputed_reads_through_unshard(gm: fx.GraphModule) -> None:
+    """Route backward's direct reads of a parameter through its ``unshard`` marker.
+
+    Backward reads a parameter's value itself only where activation checkpointing
+    (``torch.utils.checkpoint``) re-runs a forward inside it. ``_StepMode`` does not see that re-run
+    (a torch function mode is popped while its own handler, here ``backward()``, runs), so its
+    reads are the leaf; each becomes a read of the latest ``unshard`` of that leaf, as in forward.
+    The value is the same; the placement is the plan's compute placement (FSDP gathers the
+    parameter, and ``regather_for_backward`` gives the backward its own gather), not the stored one.
+    """
+    latest: dict[fx.Node, fx.Node] = {}  # the parameter leaf -> its latest unshard marker
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.target is ops.UNSHARD:
+            latest[node.args[0]] = node
+        elif node.op == "call_function" and backward_index(node) is not None:
+            for leaf in [a for a in node.all_input_nodes if a in latest]:
+                node.replace_input_with(leaf, latest[leaf])
+                changed = True
+    if changed:
+        gm.recompile()
 
 
 def _widen_scalar_states(by_role, states, real_params, fqns) -> list:
