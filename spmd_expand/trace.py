@@ -45,7 +45,7 @@ from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from . import ops
 from .boundaries import mark_boundaries
-from .errors import TraceError, user_source_line
+from .errors import TraceError, node_error, user_source_line
 from .loss_parallel import MarkLossParallel
 
 __all__ = [
@@ -601,6 +601,7 @@ def trace_step(
             # records it) instead of only tagging nodes for AOTAutograd's partitioner.
             with fx_traceback.preserve_node_meta(), MarkLossParallel(), torch.compiler._non_strict_tracing_context():
                 autograd_graph = make_fx(step, tracing_mode="symbolic", record_stack_traces=True)(*fakes, *sym_values)
+            _refuse_recomputed_draws(autograd_graph)
             _recomputed_reads_through_unshard(autograd_graph)
             detached = [t.detach() for t in fakes]
 
@@ -642,6 +643,34 @@ def trace_step(
         hyperparameters,
         _hyperparameter_guards(shape_env, symbols, hyperparameters),
     )
+
+
+def _refuse_recomputed_draws(gm: fx.GraphModule) -> None:
+    """Refuse a random draw inside backward: activation checkpointing re-running a random op.
+
+    ``torch.utils.checkpoint`` replays the forward's draws by restoring the generator state
+    (``preserve_rng_state``) in Python, which a traced graph does not record: the recompute would
+    draw new values (another dropout mask than forward's) and the gradients would be wrong.
+
+    Raises:
+        TraceError: naming the op, the node, the module and the fix.
+    """
+    from .rng import draws_random
+
+    for node in gm.graph.nodes:
+        if backward_index(node) is not None and draws_random(node):
+            drawn = [n for n in gm.graph.nodes if n.target is node.target and backward_index(n) is None]
+            where = f" (forward draws it at {user_source_line(drawn[0])})" if drawn else ""
+            raise node_error(
+                TraceError,
+                node,
+                f"backward re-runs the random op {node.target}{where}: activation checkpointing recomputes it, "
+                f"and the recomputed draw would differ from forward's (the generator state that checkpoint "
+                f"restores is not part of a traced graph)",
+                fix="save the random op's output instead of recomputing it: checkpoint(..., use_reentrant=False, "
+                "context_fn=functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, "
+                "[torch.ops.aten.native_dropout.default, ...])), or call dropout outside the checkpointed function",
+            )
 
 
 def _recomputed_reads_through_unshard(gm: fx.GraphModule) -> None:

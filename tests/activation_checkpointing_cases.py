@@ -45,30 +45,39 @@ MODES = {
     },
     "policy": {"use_reentrant": False, "context_fn": functools.partial(create_selective_checkpoint_contexts, _recompute_all_but_gelu)},
     "reentrant": {"use_reentrant": True},
+    # with dropout in the blocks (p=DROPOUT): its mask saved, the rest recomputed
+    "dropout_saved": {
+        "use_reentrant": False,
+        "context_fn": functools.partial(create_selective_checkpoint_contexts, [aten.native_dropout.default]),
+    },
 }
+DROPOUT = 0.25
+RECOMPUTABLE = (aten.gelu.default, aten.addmm.default, aten.native_layer_norm.default)
 
 
 class Block(nn.Module):
     """Pre-LayerNorm MLP block with a residual: ``x + fc2(gelu(fc1(ln(x))))``; ``(B, d) -> (B, d)``."""
 
-    def __init__(self, d: int = D_MODEL) -> None:
+    def __init__(self, d: int = D_MODEL, dropout: float = 0.0) -> None:
         super().__init__()
         self.ln = nn.LayerNorm(d)
         self.fc1 = nn.Linear(d, 4 * d)
         self.fc2 = nn.Linear(4 * d, d)
+        self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+        h = self.fc2(F.gelu(self.fc1(self.ln(x))))
+        return x + (F.dropout(h, self.dropout, self.training) if self.dropout else h)
 
 
 class Net(nn.Module):
     """``inp`` -> checkpointed ``layers`` -> ``head``; ``(B, D_IN) -> (B, CLASSES)``."""
 
-    def __init__(self, mode: str = "none", n_layer: int = 2) -> None:
+    def __init__(self, mode: str = "none", n_layer: int = 2, dropout: float = 0.0) -> None:
         super().__init__()
         self.mode = mode
         self.inp = nn.Linear(D_IN, D_MODEL)
-        self.layers = nn.ModuleList(Block() for _ in range(n_layer))
+        self.layers = nn.ModuleList(Block(dropout=dropout) for _ in range(n_layer))
         self.head = nn.Linear(D_MODEL, CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,23 +109,30 @@ def train(mode: str, plan, mesh, rank: int, world: int) -> dict:
     """Train ``Net(mode)`` compiled (this rank's rows) and eagerly on one device (all rows); also
     count the ops of this rank's local graph inside backward and its collectives."""
     torch.manual_seed(0)
-    model = Net(mode)
+    model = Net(mode, dropout=DROPOUT if mode == "dropout_saved" else 0.0)
     ref = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_optimizer = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     compiled = spmd.compile(mesh=mesh, plan=plan, lower="eager")(step)
     rows = BATCH // world
     losses, ref_losses = [], []
-    for x, y in batches():
+    for i, (x, y) in enumerate(batches()):
         local = slice(rank * rows, (rank + 1) * rows)
+        torch.manual_seed(i)  # both runs draw from the same generator state (dropout)
         losses.append(compiled(model, optimizer, x[local], y[local]).detach())
+        torch.manual_seed(i)
         ref_losses.append(step(ref, ref_optimizer, x, y).detach())
     gm = compiled.last.local_graph
     in_backward = collections.Counter(
         str(n.target) for n in gm.graph.nodes if n.op == "call_function" and backward_index(n) is not None
     )
+    # After the local passes, the recompute still runs after the forward's last matmul (the head).
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    forward_end = max(order[n] for n in gm.graph.nodes if n.target is aten.addmm.default and backward_index(n) is None)
+    recomputed = [order[n] for n in gm.graph.nodes if backward_index(n) is not None and n.target in RECOMPUTABLE]
     return {
         "in_backward": dict(in_backward),
+        "recompute_after_forward": all(i > forward_end for i in recomputed),
         "collectives": dict(collective_stats(gm).count),
         "losses": losses,
         "ref_losses": ref_losses,

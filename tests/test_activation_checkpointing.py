@@ -21,7 +21,8 @@ from spmd_expand.app.launch import run_local
 
 RTOL, ATOL = 1e-4, 1e-5
 CASES = [("ddp", "full"), ("ddp", "selective"), ("ddp", "reentrant"),
-         ("fsdp", "none"), ("fsdp", "full"), ("fsdp", "selective"), ("fsdp", "policy")]
+         ("fsdp", "none"), ("fsdp", "full"), ("fsdp", "selective"), ("fsdp", "policy"),
+         ("fsdp", "dropout_saved")]
 
 # Ops of the 2 checkpointed blocks that backward runs again, per mode (none: backward recomputes
 # nothing). One addmm a block: backward needs fc1's output, not fc2's (the non-reentrant recompute
@@ -32,6 +33,7 @@ RECOMPUTED = {
     "selective": {"gelu": 2, "addmm": 0, "native_layer_norm": 2},  # matmuls saved
     "policy": {"gelu": 0, "addmm": 2, "native_layer_norm": 2},  # GELU saved
     "reentrant": {"gelu": 2, "addmm": 2, "native_layer_norm": 2},
+    "dropout_saved": {"gelu": 2, "addmm": 2, "native_layer_norm": 2, "native_dropout": 0},
 }
 
 
@@ -57,7 +59,9 @@ def test_parity(results, plan, mode):
 
 @pytest.mark.parametrize("plan,mode", CASES)
 def test_backward_recomputes(results, plan, mode):
-    in_backward = _case(results, plan, mode)[0]["in_backward"]
+    r = _case(results, plan, mode)[0]
+    in_backward = r["in_backward"]
+    assert r["recompute_after_forward"], "a pass moved recomputed ops into forward"
     assert {op: in_backward.get(f"aten.{op}.default", 0) for op in RECOMPUTED[mode]} == RECOMPUTED[mode]
 
 
@@ -66,6 +70,17 @@ def test_fsdp_recompute_gathers_parameters_not_activations(results, mode):
     # The recompute reads each parameter through its unshard, gathered again for backward in its
     # block's bucket: not one collective more than without checkpointing.
     assert _case(results, "fsdp", mode)[0]["collectives"] == _case(results, "fsdp", "none")[0]["collectives"]
+
+
+def test_recomputed_dropout_is_refused(fake_mesh):
+    """A random op that checkpointing would re-run in backward is refused, naming the fix (saving
+    its output, as ``dropout_saved`` does, keeps parity): the generator state that checkpoint
+    restores before recomputing is not part of a traced graph, so the mask would differ."""
+    model = cases.Net("full", dropout=0.5)
+    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(cases.step)
+    x, y = cases.batches(1)[0]
+    with pytest.raises(spmd.TraceError, match=r"(?s)aten.native_dropout.default.*create_selective_checkpoint_contexts"):
+        step(model, torch.optim.AdamW(model.parameters()), x[:2], y[:2])
 
 
 def test_inductor_keeps_the_recompute(fake_mesh):
