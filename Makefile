@@ -23,6 +23,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/expand_speed.py > bench/results/expand_speed.json
 	$(PY) bench/fsdp_memory.py > bench/results/fsdp_memory.json
+	$(PY) bench/activation_memory.py > bench/results/activation_memory.json
 	$(PY) bench/step_time.py > bench/results/step_time.json
 	$(PY) bench/call_overhead.py > bench/results/call_overhead.json
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -16,10 +17,11 @@ from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from .errors import PlanError, SpmdError, TraceError
 from .expand import RedistributeCache
@@ -116,6 +118,14 @@ def distribute_state(
     The conversion of ``spmd.compile``'s first call and of :func:`spmd_expand.parallelize`.
     ``timeout`` bounds the wait of the cross-rank check (default: the store's).
 
+    Parameters on the meta device (a model built under ``torch.device("meta")``) become meta
+    DTensors with the plan's placements and this rank's local shape (``Shard(0)``: dim 0 split as
+    ``torch.chunk`` splits it), with no communication; meta buffers stay meta. Nothing is allocated:
+    ``model.to_empty(device=...)`` then allocates only the local shards, to be initialized or loaded
+    into (FSDP2's flow); the broadcast of replicated state happens before the first step instead
+    (:func:`broadcast_materialized_state`). The cross-rank check compares names, shapes, dtypes,
+    placements and which tensors are meta, never values.
+
     Raises:
         DivergenceError: before the first broadcast, when the ranks' models differ (names, shapes,
             dtypes, ``requires_grad``, placements; :mod:`spmd_expand.rank_check`).
@@ -128,25 +138,71 @@ def distribute_state(
             timeout,
         )
     new: dict[int, nn.Parameter] = {}
+    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+        _DISTRIBUTED_ON_META.add(model)
     for fqn, p in model.named_parameters():
         if isinstance(p, DTensor):
             continue
-        dt = distribute_tensor(p.detach(), mesh, plan.param_placements(fqn, p))
+        dt = _distribute(p.detach(), mesh, plan.param_placements(fqn, p))
         new[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
     fqn_of = {id(p): fqn for fqn, p in model.named_parameters()}
     if optimizer is not None:
         for p, st in optimizer.state.items():
             for key, v in list(st.items()):
                 if isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
-                    st[key] = distribute_tensor(v, mesh, plan.state_placements(fqn_of[id(p)], p, v))
+                    st[key] = _distribute(v, mesh, plan.state_placements(fqn_of[id(p)], p, v))
     if new:
         # Buffers stay plain tensors, replicated: every rank must hold rank 0's values (a rank that
         # differs would silently compute another model), so they are broadcast along with the
         # parameters, as DDP does at construction.
         for b in model.buffers():
-            if not isinstance(b, DTensor):
+            if not isinstance(b, DTensor) and not b.is_meta:
                 b.copy_(distribute_tensor(b, mesh, replicate(mesh)).to_local())
     _rebind_parameters(model, optimizer, new)
+
+
+def _distribute(tensor: torch.Tensor, mesh: DeviceMesh, placements) -> DTensor:
+    """``distribute_tensor`` from rank 0; a meta tensor has no values to send, so each rank only
+    cuts its local shape (``src_data_rank=None``: no collective)."""
+    return distribute_tensor(tensor, mesh, placements, src_data_rank=None if tensor.is_meta else 0)
+
+
+# Models distributed while on the meta device: their replicated state gets values only later
+# (to_empty, then the user's init or load), so it is broadcast once it has them.
+_DISTRIBUTED_ON_META: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def broadcast_materialized_state(model: nn.Module, mesh: DeviceMesh, where: str) -> None:
+    """Before the first step of a model distributed on the meta device: refuse state still on meta,
+    then broadcast every replicated parameter and buffer (each ``Replicate()`` mesh dim, from that
+    dim's first rank), once.
+
+    This is the broadcast :func:`distribute_state` does for a materialized model (DDP's broadcast at
+    construction), moved to after initialization: DTensor random init on a CPU mesh draws each rank's
+    local tensor from its own generator, so replicated parameters may differ across ranks (e.g. after
+    unevenly sharded parameters drew different counts). Sharded parameters are left as they are.
+
+    Raises:
+        TraceError: a parameter or buffer is still on the meta device (names it and the fix:
+            ``to_empty``, then initialize or load).
+    """
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for fqn, t in named:
+            if t.is_meta:
+                raise TraceError(
+                    f"{where}: {kind} {fqn!r} of {type(model).__name__} is on the meta device (no values); call "
+                    f"model.to_empty(device=...) after spmd.parallelize / CompiledStep.prepare, then initialize it "
+                    f"(model.apply(init_fn), reset_parameters()) or load a checkpoint into it, before the first step"
+                )
+    if model not in _DISTRIBUTED_ON_META or not dist.is_initialized() or dist.get_backend() == "fake":
+        return
+    with torch.no_grad():
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            local, placements = (t.to_local(), t.placements) if isinstance(t, DTensor) else (t, replicate(mesh))
+            for mesh_dim, placement in enumerate(placements):
+                if isinstance(placement, Replicate) and mesh.size(mesh_dim) > 1:
+                    dist.broadcast(local, group=mesh.get_group(mesh_dim), group_src=0)
+    _DISTRIBUTED_ON_META.discard(model)
 
 
 def _check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -293,6 +349,10 @@ class CompiledStep:
 
         Use it before loading a sharded checkpoint (``torch.distributed.checkpoint``, or
         ``set_state_dict``) into a model that has not run a step yet. Idempotent.
+
+        A model built on the meta device gets meta DTensor parameters of this rank's local shapes
+        (see :func:`distribute_state`): call ``model.to_empty(device=...)``, initialize or load, and
+        build the optimizer before the first call.
         """
         if optimizer is not None:
             _check_optimizer_params(model, optimizer)
@@ -311,6 +371,7 @@ class CompiledStep:
         if bound is None:
             # Every full call: state loaded since the last call (e.g. by set_state_dict) may be plain tensors.
             self.prepare(model, optimizer)
+            broadcast_materialized_state(model, self.mesh, "spmd.compile")
             if optimizer is not None:
                 attempted = self._state_attempted.setdefault(optimizer, set())
                 if initialize_optimizer_state(model, optimizer, attempted):

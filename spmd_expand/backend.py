@@ -49,7 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from . import ops
-from .api import distribute_state
+from .api import broadcast_materialized_state, distribute_state
 from .boundaries import encode_placement, mark_boundaries
 from .errors import PlanError, SpmdError, TraceError
 from .expand import RedistributeCache
@@ -86,9 +86,11 @@ def parallelize(
 
     Parameters become DTensors with ``plan``'s placements (the conversion of ``spmd.compile``'s first
     call: replicated ones broadcast from rank 0, sharded ones this rank's shard), buffers replicated
-    DTensors. Forward hooks on ``model`` take this rank's local batch (plain tensors, split on the
-    batch dim under DDP/FSDP) and return local results (this rank's rows of a batch-shaped result; the
-    full value of a scalar). Build the optimizer after this call, over ``model.parameters()``.
+    DTensors. A model on the meta device gets meta DTensors of this rank's local shapes and no
+    communication: then ``model.to_empty(device=...)`` and initialize or load a checkpoint.
+    Forward hooks on ``model`` take this rank's local batch (plain tensors, split on the batch dim
+    under DDP/FSDP) and return local results (this rank's rows of a batch-shaped result; the full
+    value of a scalar). Build the optimizer after this call, over ``model.parameters()``.
 
     The model must then run under ``torch.compile(..., backend="spmd")``: run eagerly, the hooks raise
     (eager DTensor execution would sum, not average, the ranks' gradients).
@@ -129,7 +131,8 @@ def parallelize(
     for module in model.modules():
         for name, buf in list(module._buffers.items()):
             if buf is not None and not isinstance(buf, DTensor):
-                module._buffers[name] = distribute_tensor(buf, mesh, replicate(mesh))
+                # A meta buffer has no values to broadcast (meta-device initialization).
+                module._buffers[name] = distribute_tensor(buf, mesh, replicate(mesh), src_data_rank=None if buf.is_meta else 0)
 
     def inputs_to_dtensor(module, args, kwargs):
         _require_compiling()
@@ -294,6 +297,7 @@ def spmd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Opt
     outputs (local tensors where the graph ends in ``to_local``, DTensors elsewhere).
 
     Raises:
+        TraceError: a parameter or buffer is still on the meta device (``to_empty`` and initialize).
         SpmdError: an unknown option, a mesh or plan that is not the model's, a graph that reads
             parameters of no parallelized model, or a construct the backend cannot read (a local
             tensor computed on after ``to_local``, dynamic shapes).
@@ -308,6 +312,7 @@ def spmd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Opt
     if lower not in LOWERINGS:
         raise SpmdError(f"torch.compile(backend=\"spmd\"): option lower={lower!r} is not one of {LOWERINGS}")
     model, info = _owner(example_inputs, options)
+    broadcast_materialized_state(model, info.mesh, "torch.compile(backend=\"spmd\")")
     for name in ("mesh", "plan"):
         if name in options and options[name] is not getattr(info, name):
             raise SpmdError(

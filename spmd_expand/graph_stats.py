@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-__all__ = ["COLLECTIVES", "CollectiveStats", "collective_bytes", "collective_stats", "annotate_local_values", "peak_live_bytes"]
+__all__ = ["COLLECTIVES", "CollectiveStats", "collective_bytes", "collective_stats", "annotate_local_values", "live_bytes", "peak_live_bytes"]
 
 _c10d = torch.ops._c10d_functional
 COLLECTIVES = {  # collective start ops of torch.distributed._functional_collectives -> kind
@@ -95,13 +95,14 @@ def _bytes(val) -> int:
     return 0
 
 
-def peak_live_bytes(gm: fx.GraphModule) -> dict[str, int]:
-    """Peak bytes of live tensors while ``gm`` runs, from a liveness walk in graph order.
+def live_bytes(gm: fx.GraphModule) -> tuple[int, list[int]]:
+    """Bytes of live tensors at each node of ``gm``, from a liveness walk in graph order.
 
     Needs ``node.meta["val"]`` on every node (see :func:`annotate_local_values`). Inputs are live
     throughout; a computed value is live from its node to its last use; outputs of view ops alias
-    their input (no bytes of their own, but they keep it alive). Returns ``{"inputs": bytes,
-    "peak": bytes}`` where ``peak`` includes the inputs.
+    their input (no bytes of their own, but they keep it alive). Returns ``(input bytes, live)``
+    where ``live[i]`` is the bytes live while node ``i`` (in ``gm.graph.nodes`` order) runs: the
+    inputs, every earlier value still to be used, and node ``i``'s own output.
     """
     from .annotate import VIEW_OPS
 
@@ -120,13 +121,22 @@ def peak_live_bytes(gm: fx.GraphModule) -> dict[str, int]:
             last_use[base] = max(last_use.get(base, 0), order[user])
     inputs = sum(_bytes(n.meta.get("val")) for n in nodes if n.op == "placeholder")
     frees: dict[int, int] = {}
-    live = peak = inputs
+    live = inputs
+    timeline = []
     for n in nodes:
         if n.op in ("placeholder", "output") or n in owner and owner[n] is not n:
+            timeline.append(live)
             continue
         size = 0 if any(u.target is operator.getitem for u in n.users) else _bytes(n.meta.get("val"))
         live += size
-        peak = max(peak, live)
+        timeline.append(live)
         frees[last_use.get(n, order[n])] = frees.get(last_use.get(n, order[n]), 0) + size
         live -= frees.pop(order[n], 0)
-    return {"inputs": inputs, "peak": peak}
+    return inputs, timeline
+
+
+def peak_live_bytes(gm: fx.GraphModule) -> dict[str, int]:
+    """Peak bytes of live tensors while ``gm`` runs (:func:`live_bytes`). Returns ``{"inputs": bytes,
+    "peak": bytes}`` where ``peak`` includes the inputs."""
+    inputs, timeline = live_bytes(gm)
+    return {"inputs": inputs, "peak": max([inputs, *timeline])}

@@ -62,6 +62,9 @@ class ParallelStyle:
     def bind(self, model: nn.Module) -> None:
         """Resolve module references against the model being compiled."""
 
+    def check_mesh(self, mesh: DeviceMesh) -> None:
+        """Refuse options the mesh's device type cannot honour (raises PlanError)."""
+
 
 def _ignored_fqns(model: nn.Module, ignored: Iterable[Union[nn.Module, str]]) -> frozenset[str]:
     """Parameter FQNs owned by the given modules (objects or module FQNs)."""
@@ -177,16 +180,53 @@ class FSDP(_DataParallel):
             back to the parameter's dtype for the optimizer. ``cast_forward_inputs`` casts the root
             module's floating-point inputs to ``param_dtype``; ``output_dtype`` casts its
             floating-point outputs. Buffers keep their dtype (as in FSDP2). None: no casts.
+        modules: module FQN globs (matched as :func:`fqn_matches` matches, e.g. ``"layers.*"``), or
+            None for the whole model. Parameters of the matched modules and their descendants are
+            sharded as above; every other parameter is ``Replicate()`` with its gradient all-reduced
+            (DDP), as ``fully_shard`` on the chosen modules composed with ``replicate`` on the rest.
+            A tied parameter is sharded when any module holding it matches.
+        offload_policy: torch's ``torch.distributed.fsdp.OffloadPolicy`` / ``CPUOffloadPolicy``. On a
+            CPU mesh it is accepted and changes nothing: sharded parameters, gradients and optimizer
+            states already live in CPU memory. ``OffloadPolicy()`` (torch's "no offload") is accepted
+            on any mesh.
+
+    Raises:
+        PlanError: a ``modules`` glob matches no submodule; ``offload_policy`` is not an
+            ``OffloadPolicy``, or is a ``CPUOffloadPolicy`` on a non-CPU mesh (offload of device
+            meshes is not implemented yet).
     """
 
     batch_dim: int = 0
     reshard_after_forward: bool = True
     ignored_modules: tuple = ()
     mp_policy: Optional[MixedPrecisionPolicy] = None
+    modules: Optional[Union[str, Iterable[str]]] = None
+    offload_policy: Optional[object] = None
     _ignored: frozenset = field(default=frozenset(), init=False, repr=False)
+    _sharded: Optional[frozenset] = field(default=None, init=False, repr=False)
+
+    def bind(self, model: nn.Module) -> None:
+        super().bind(model)
+        self._sharded = None if self.modules is None else _fqns_under(model, self.modules, "FSDP modules")
+
+    def check_mesh(self, mesh: DeviceMesh) -> None:
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+        policy = self.offload_policy
+        if policy is not None and not isinstance(policy, OffloadPolicy):
+            raise PlanError(
+                f"FSDP offload_policy must be a torch.distributed.fsdp.OffloadPolicy or CPUOffloadPolicy, got "
+                f"{type(policy).__name__}"
+            )
+        if isinstance(policy, CPUOffloadPolicy) and mesh.device_type != "cpu":
+            raise PlanError(
+                f"FSDP offload_policy=CPUOffloadPolicy(): CPU offload is not implemented for device meshes on "
+                f"{mesh.device_type!r} yet; drop the offload_policy option (parameters, gradients and optimizer "
+                f"states stay sharded in {mesh.device_type} memory)"
+            )
 
     def param_placement(self, fqn: str, param: torch.Tensor) -> Placement:
-        if fqn in self._ignored or param.dim() == 0:
+        if fqn in self._ignored or param.dim() == 0 or (self._sharded is not None and fqn not in self._sharded):
             return Replicate()
         return Shard(0)
 
@@ -202,6 +242,33 @@ def fqn_matches(pattern: str, fqn: str) -> bool:
     """
     atoms, names = pattern.split("."), fqn.split(".") if fqn else []
     return len(atoms) == len(names) and all(fnmatch.fnmatchcase(n, a) for a, n in zip(atoms, names))
+
+
+def _fqns_under(model: nn.Module, globs: Union[str, Iterable[str]], what: str) -> frozenset[str]:
+    """Parameter FQNs (as ``named_parameters()`` names them) held by a module matching one of
+    ``globs`` (:func:`fqn_matches`) or by its descendants; a tied parameter counts when any holder
+    matches.
+
+    Raises:
+        PlanError: a glob matches no submodule.
+    """
+    globs = (globs,) if isinstance(globs, str) else tuple(globs)
+    names = [name for name, _ in model.named_modules()]
+    prefixes = []
+    for pattern in globs:
+        matched = [name for name in names if fqn_matches(pattern, name)]
+        if not matched:
+            raise PlanError(
+                f"{what} glob {pattern!r} matches no submodule of {type(model).__name__}; globs match module "
+                f"FQNs from model.named_modules() atom by atom ('layers.*' matches 'layers.0', not 'layers.0.attn')"
+            )
+        prefixes.extend(matched)
+    held = {
+        id(p)
+        for fqn, p in model.named_parameters(remove_duplicate=False)
+        if any(fqn.startswith(prefix + ".") for prefix in prefixes)
+    }
+    return frozenset(fqn for fqn, p in model.named_parameters() if id(p) in held)
 
 
 class TensorParallel(ParallelStyle):
@@ -460,4 +527,5 @@ def resolve_plan(plan: Plan, mesh: DeviceMesh, model: nn.Module) -> ResolvedPlan
         if not isinstance(s, ParallelStyle):
             raise PlanError(f"plan entry {s!r} is not a ParallelStyle (spmd.DDP, ...)")
         s.bind(model)
+        s.check_mesh(mesh)
     return ResolvedPlan(mesh, styles)

@@ -80,14 +80,19 @@ def graph_entries(gm: fx.GraphModule) -> tuple[list[str], list[str]]:
 
 
 def state_entries(model: nn.Module, placements_of) -> tuple[list[str], list[str]]:
-    """One line per parameter (name, global shape, dtype, requires_grad, ``placements_of(fqn, p)``)
-    and per buffer of ``model``."""
+    """One line per parameter (name, global shape, dtype, whether on the meta device, requires_grad,
+    ``placements_of(fqn, p)``) and per buffer of ``model``; values are never read."""
     entries = [
-        f"parameter {fqn}: {_describe(p)} requires_grad={p.requires_grad} {tuple(placements_of(fqn, p))}"
+        f"parameter {fqn}: {_describe(p)}{_meta(p)} requires_grad={p.requires_grad} {tuple(placements_of(fqn, p))}"
         for fqn, p in model.named_parameters()
     ]
-    entries += [f"buffer {fqn}: {_describe(b)}" for fqn, b in model.named_buffers()]
+    entries += [f"buffer {fqn}: {_describe(b)}{_meta(b)}" for fqn, b in model.named_buffers()]
     return entries, [""] * len(entries)
+
+
+def _meta(t: torch.Tensor) -> str:
+    # A rank on the meta device skips the broadcast the others enter: a mismatch must be caught here.
+    return " meta" if t.is_meta else ""
 
 
 def _enabled(mesh: DeviceMesh) -> bool:

@@ -47,7 +47,7 @@ from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from . import ops
 from .boundaries import mark_boundaries
-from .errors import TraceError, user_source_line
+from .errors import TraceError, node_error, user_source_line
 from .loss_parallel import MarkLossParallel
 from .plans import MixedPrecision, ParamCast
 
@@ -691,8 +691,13 @@ def trace_step(
         with torch.compiler._compile_session_context(), torch.enable_grad():
             # _compile_session_context: optimizers take their traceable paths (`step` stays a tensor,
             # no .item()), with the same arithmetic as their default eager path.
-            with fx_traceback.preserve_node_meta(), MarkLossParallel():
+            # _non_strict_tracing_context: selective activation checkpointing takes its eager path
+            # (saves what its policy saves, recomputes the rest inside backward, where make_fx
+            # records it) instead of only tagging nodes for AOTAutograd's partitioner.
+            with fx_traceback.preserve_node_meta(), MarkLossParallel(), torch.compiler._non_strict_tracing_context():
                 autograd_graph = make_fx(step, tracing_mode="symbolic", record_stack_traces=True)(*fakes, *sym_values)
+            _refuse_recomputed_draws(autograd_graph)
+            _recomputed_reads_through_unshard(autograd_graph)
             detached = [t.detach() for t in fakes]
 
             def replay(*flat: Any) -> list[torch.Tensor]:
@@ -733,6 +738,57 @@ def trace_step(
         hyperparameters,
         _hyperparameter_guards(shape_env, symbols, hyperparameters),
     )
+
+
+def _refuse_recomputed_draws(gm: fx.GraphModule) -> None:
+    """Refuse a random draw inside backward: activation checkpointing re-running a random op.
+
+    ``torch.utils.checkpoint`` replays the forward's draws by restoring the generator state
+    (``preserve_rng_state``) in Python, which a traced graph does not record: the recompute would
+    draw new values (another dropout mask than forward's) and the gradients would be wrong.
+
+    Raises:
+        TraceError: naming the op, the node, the module and the fix.
+    """
+    from .rng import draws_random
+
+    for node in gm.graph.nodes:
+        if backward_index(node) is not None and draws_random(node):
+            drawn = [n for n in gm.graph.nodes if n.target is node.target and backward_index(n) is None]
+            where = f" (forward draws it at {user_source_line(drawn[0])})" if drawn else ""
+            raise node_error(
+                TraceError,
+                node,
+                f"backward re-runs the random op {node.target}{where}: activation checkpointing recomputes it, "
+                f"and the recomputed draw would differ from forward's (the generator state that checkpoint "
+                f"restores is not part of a traced graph)",
+                fix="save the random op's output instead of recomputing it: checkpoint(..., use_reentrant=False, "
+                "context_fn=functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, "
+                "[torch.ops.aten.native_dropout.default, ...])), or call dropout outside the checkpointed function",
+            )
+
+
+def _recomputed_reads_through_unshard(gm: fx.GraphModule) -> None:
+    """Route backward's direct reads of a parameter through its ``unshard`` marker.
+
+    Backward reads a parameter's value itself only where activation checkpointing
+    (``torch.utils.checkpoint``) re-runs a forward inside it. ``_StepMode`` does not see that re-run
+    (a torch function mode is popped while its own handler, here ``backward()``, runs), so its
+    reads are the leaf; each becomes a read of the latest ``unshard`` of that leaf, as in forward.
+    The value is the same; the placement is the plan's compute placement (FSDP gathers the
+    parameter, and ``regather_for_backward`` gives the backward its own gather), not the stored one.
+    """
+    latest: dict[fx.Node, fx.Node] = {}  # the parameter leaf -> its latest unshard marker
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.target is ops.UNSHARD:
+            latest[node.args[0]] = node
+        elif node.op == "call_function" and backward_index(node) is not None:
+            for leaf in [a for a in node.all_input_nodes if a in latest]:
+                node.replace_input_with(leaf, latest[leaf])
+                changed = True
+    if changed:
+        gm.recompile()
 
 
 def _widen_scalar_states(by_role, states, real_params, fqns) -> list:

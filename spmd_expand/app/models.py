@@ -9,14 +9,28 @@ tensor-parallel plans address submodules by fully qualified name globs such as
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
-__all__ = ["MLP", "GPTConfig", "CausalSelfAttention", "Block", "GPT", "build_gpt"]
+__all__ = ["MLP", "GPTConfig", "CausalSelfAttention", "Block", "GPT", "SAVED_BY_SELECTIVE", "build_gpt"]
+
+_aten = torch.ops.aten
+SAVED_BY_SELECTIVE = (
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_flash_attention.default,
+)
+"""Ops whose outputs ``activation_checkpointing="selective"`` saves (torchtitan's choice, in small:
+matmuls and attention are costly to recompute, pointwise ops are cheap)."""
 
 
 class MLP(nn.Module):
@@ -60,6 +74,11 @@ class GPTConfig:
         n_embd: model width.
         dropout: drop probability of the attention weights (SDPA's ``dropout_p``) and of each
             block's two residual branches, in training mode; 0 traces no dropout at all.
+        activation_checkpointing: ``"none"``; ``"full"``: each block runs under
+            ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` (backward recomputes it);
+            ``"selective"``: the same with :data:`SAVED_BY_SELECTIVE` saved (matmuls, attention),
+            the rest (LayerNorm, GELU, residual adds) recomputed. With ``dropout > 0`` a checkpointed
+            block's dropout would be drawn again in backward, which ``spmd.compile`` refuses.
     """
 
     vocab_size: int = 128
@@ -68,8 +87,11 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 64
     dropout: float = 0.0
+    activation_checkpointing: str = "none"
 
     def __post_init__(self) -> None:
+        if self.activation_checkpointing not in ("none", "full", "selective"):
+            raise ValueError(f"activation_checkpointing must be 'none', 'full' or 'selective', not {self.activation_checkpointing!r}")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
 
@@ -169,12 +191,22 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(pos)
         for block in self.layers:
-            x = block(x)
+            x = self._run_block(block, x)
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits
         return F.cross_entropy(logits.view(B * T, -1), targets.view(-1))
 
+    def _run_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        mode = self.config.activation_checkpointing
+        if mode == "none":
+            return block(x)
+        context_fn = (
+            functools.partial(create_selective_checkpoint_contexts, list(SAVED_BY_SELECTIVE))
+            if mode == "selective"
+            else noop_context_fn
+        )
+        return checkpoint(block, x, use_reentrant=False, context_fn=context_fn)
 
     def tensor_parallel_plan(self, vocab_parallel: bool = True) -> dict:
         """Megatron-LM's plan (for :class:`spmd_expand.TensorParallel`): q/k/v and fc1 column-wise,
