@@ -89,7 +89,6 @@ OPTIMIZERS = {"gpt": _ADAMW, "gpt_autocast": _ADAMW, "mlp": _SGD, "mlp_microbatc
 # name -> (model, plan, policy (None: the step's own autocast, checked against eager), lower)
 CASES = {
     "gpt_fsdp_bf16_fp32": ("gpt", "fsdp", "bf16_fp32", "eager"),
-    "gpt_ddp_bf16": ("gpt", "ddp", "bf16", "eager"),
     "gpt_ddp_reduce_bf16": ("gpt", "ddp", "reduce_bf16", "eager"),
     "mlp_fsdp_bf16_out_fp32": ("mlp", "fsdp", "bf16_out_fp32", "inductor"),
     "mlp_microbatch_fsdp_bf16": ("mlp_microbatch", "fsdp", "bf16", "eager"),

@@ -29,7 +29,6 @@ RUNS = [
     ("compile", "fsdp_blocks"),
     ("compile_dcp", "fsdp"),
     ("torch_compile", "fsdp"),
-    ("torch_compile", "fsdp_blocks"),
     ("random_init", "ddp"),
     ("replicated_broadcast_compile", "fsdp_0"),
     ("replicated_broadcast_torch_compile", "fsdp_0"),
