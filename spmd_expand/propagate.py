@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema
+from torch.distributed.tensor._ops._math_ops import _NormPartial
 
 from . import rules
 from .cost import BatchSymbols, NodeCost, choosing_by_cost
@@ -33,6 +34,35 @@ from .spec import AS_PRODUCED, NodeSharding, concrete, local_shape, replicate, s
 from .trace import TracedStep, is_runtime_scalar
 
 __all__ = ["propagate"]
+
+aten = torch.ops.aten
+
+# Ops through which a partial p-norm stays one (see _Propagator.dtensor_rule).
+_NORM_PARTIAL_SAFE = frozenset(
+    {
+        aten.linalg_vector_norm.default,
+        aten._foreach_norm.Scalar,
+        aten.stack.default,
+        aten.cat.default,
+        aten.clone.default,
+        aten.detach.default,
+        aten.alias.default,
+        aten._to_copy.default,
+        aten.view.default,
+        aten._unsafe_view.default,
+        aten.reshape.default,
+        aten.unsqueeze.default,
+        aten.squeeze.dim,
+        aten.squeeze.dims,
+        aten.squeeze.default,
+        aten.t.default,
+        aten.transpose.int,
+        aten.permute.default,
+        aten.expand.default,
+        aten.select.int,
+        aten.slice.Tensor,
+    }
+)
 
 
 def _with_meta(out: Any, val: Any, mesh: DeviceMesh) -> Any:
@@ -133,6 +163,31 @@ class _Propagator:
         return pytree.tree_map(convert, (tuple(node.args), dict(node.kwargs)))
 
     def dtensor_rule(self, node: fx.Node) -> NodeSharding:
+        """DTensor's placement for ``node`` (:meth:`_dtensor_rule`), with partial p-norms reduced
+        first where DTensor would carry them through an op they do not commute with.
+
+        DTensor (torch 2.13) gives ``_NormPartial`` (a norm over a sharded dim: each rank's norm of
+        its shard, combined as ``(sum x^p)^(1/p)``) the reduce op ``"sum"``, so its reduction and
+        linear pointwise strategies keep it through ``sum``, ``add``, ``mul``: ``o.norm(dim=0).sum()``
+        over a batch-sharded ``o`` summed the ranks' norms' combination instead of the norms. Only
+        ops that act on each element alone without arithmetic (views, copies, ``stack``, ``cat``)
+        and the norms themselves (which DTensor reduces correctly) keep it.
+        """
+        sharding = self._dtensor_rule(node)
+        if node.target in _NORM_PARTIAL_SAFE:
+            return sharding
+        relaid = {}
+        for a in node.all_input_nodes:
+            spec = self.output_of(a)
+            if isinstance(spec, DTensorSpec) and any(isinstance(p, _NormPartial) for p in spec.placements):
+                placements = [Replicate() if isinstance(p, _NormPartial) else p for p in spec.placements]
+                relaid[a] = spec_with_meta(self.mesh, placements, spec.tensor_meta)
+        if not relaid:
+            return sharding
+        wanted, output = self._dtensor_place(node, self.input_specs(node), relaid)
+        return NodeSharding(inputs=tuple(wanted), output=output)
+
+    def _dtensor_rule(self, node: fx.Node) -> NodeSharding:
         """DTensor's placement for ``node``; under a plan that shards the batch, compared by cost
         (communication + compute per rank, :mod:`spmd_expand.cost`) with the placement DTensor gives
         when this node's replicated inputs are split on their batch dims (a local chunk, no

@@ -397,10 +397,13 @@ class _StepMode(TorchFunctionMode):
       once however often it is read (until a later backward accumulates into it again).
     """
 
-    def __init__(self, params: Mapping[int, tuple[str, torch.Tensor]], casts: Mapping[str, ParamCast]) -> None:
+    def __init__(
+        self, params: Mapping[int, tuple[str, torch.Tensor]], casts: Mapping[str, ParamCast], model: Optional[nn.Module] = None
+    ) -> None:
         super().__init__()
         self.params = params  # id(leaf) -> (fqn, leaf)
         self.casts = casts  # fqn -> ParamCast, for parameters read in another dtype
+        self.model = model
         self.backward_calls = 0
         self.in_backward = False
         self.in_optimizer = 0
@@ -431,6 +434,26 @@ class _StepMode(TorchFunctionMode):
             marker = self._unshard[key] = ops.unshard(read, fqn)
         return marker
 
+    def _forward_reads(self) -> contextlib.AbstractContextManager:
+        """While backward runs: the model's parameters are the values forward read (their ``unshard``
+        markers, cast under mixed precision) instead of the leaves.
+
+        Backward reads a parameter's value only where activation checkpointing
+        (``torch.utils.checkpoint``) re-runs a forward inside it; this mode is not active then (a
+        torch function mode is popped while its own handler, here ``backward()``, runs). The re-run
+        must see what forward saw: the same dtype (checkpoint compares the recomputed metadata), and
+        the plan's compute placement, so FSDP gathers the parameter again for backward
+        (``regather_for_backward``) rather than gathering activations.
+        """
+        markers = {}
+        for (pid, grad_enabled, version), marker in self._unshard.items():
+            fqn, leaf = self.params[pid]
+            if grad_enabled and leaf._version == version:
+                markers[fqn] = marker
+        if self.model is None or not markers:
+            return contextlib.nullcontext()
+        return stateless._reparametrize_module(self.model, markers, tie_weights=True)
+
     def _read_grad(self, param: torch.Tensor, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if grad is None or self.in_backward:
             return grad
@@ -448,7 +471,7 @@ class _StepMode(TorchFunctionMode):
             self.backward_calls += 1
             self.in_backward = True
             try:
-                with fx_traceback.annotate({BACKWARD_KEY: self.backward_calls}):
+                with fx_traceback.annotate({BACKWARD_KEY: self.backward_calls}), self._forward_reads():
                     return func(*args, **kwargs)
             finally:
                 self.in_backward = False
@@ -620,7 +643,9 @@ def trace_step(
         params = {r.fqn: nn.Parameter(t, requires_grad=real_params[r.fqn].requires_grad) for r, t in by_role.items() if r.kind == "param"}
         buffers = {r.fqn: t for r, t in by_role.items() if r.kind == "buffer"}
         swap = {id(real_params[fqn]): p for fqn, p in params.items()}
-        mode = _StepMode({id(p): (fqn, p) for fqn, p in params.items()}, mixed_precision.casts if mixed_precision else {})
+        mode = _StepMode(
+            {id(p): (fqn, p) for fqn, p in params.items()}, mixed_precision.casts if mixed_precision else {}, model
+        )
         states: dict[int, dict[str, Any]] = {}
         if optimizer is not None:
             for p, st in optimizer.state.items():
@@ -697,7 +722,6 @@ def trace_step(
             with fx_traceback.preserve_node_meta(), MarkLossParallel(), torch.compiler._non_strict_tracing_context():
                 autograd_graph = make_fx(step, tracing_mode="symbolic", record_stack_traces=True)(*fakes, *sym_values)
             _refuse_recomputed_draws(autograd_graph)
-            _recomputed_reads_through_unshard(autograd_graph)
             detached = [t.detach() for t in fakes]
 
             def replay(*flat: Any) -> list[torch.Tensor]:
@@ -766,29 +790,6 @@ def _refuse_recomputed_draws(gm: fx.GraphModule) -> None:
                 "context_fn=functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, "
                 "[torch.ops.aten.native_dropout.default, ...])), or call dropout outside the checkpointed function",
             )
-
-
-def _recomputed_reads_through_unshard(gm: fx.GraphModule) -> None:
-    """Route backward's direct reads of a parameter through its ``unshard`` marker.
-
-    Backward reads a parameter's value itself only where activation checkpointing
-    (``torch.utils.checkpoint``) re-runs a forward inside it. ``_StepMode`` does not see that re-run
-    (a torch function mode is popped while its own handler, here ``backward()``, runs), so its
-    reads are the leaf; each becomes a read of the latest ``unshard`` of that leaf, as in forward.
-    The value is the same; the placement is the plan's compute placement (FSDP gathers the
-    parameter, and ``regather_for_backward`` gives the backward its own gather), not the stored one.
-    """
-    latest: dict[fx.Node, fx.Node] = {}  # the parameter leaf -> its latest unshard marker
-    changed = False
-    for node in list(gm.graph.nodes):
-        if node.target is ops.UNSHARD:
-            latest[node.args[0]] = node
-        elif node.op == "call_function" and backward_index(node) is not None:
-            for leaf in [a for a in node.all_input_nodes if a in latest]:
-                node.replace_input_with(leaf, latest[leaf])
-                changed = True
-    if changed:
-        gm.recompile()
 
 
 def _widen_scalar_states(by_role, states, real_params, fqns) -> list:

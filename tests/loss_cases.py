@@ -45,6 +45,29 @@ LOSSES = {
     "cosine_embedding": lambda o, t: F.cosine_embedding_loss(o, t["real"], t["sign"][:, 0]),
     "hinge_embedding": lambda o, t: F.hinge_embedding_loss(o, t["sign"]),
     "mse_sum": lambda o, t: F.mse_loss(o, t["real"], reduction="sum"),
+    "margin_ranking": lambda o, t: F.margin_ranking_loss(o[:, 0], o[:, 1], t["sign"][:, 0], margin=0.1),
+    "triplet_margin": lambda o, t: F.triplet_margin_loss(o, t["real"], t["prob"]),
+    "multi_margin": lambda o, t: F.multi_margin_loss(o, t["class"]),
+}
+
+# Ops across the batch dim or without a DTensor strategy, as a model or loss would use them: the same
+# promise (one device's gradients), and a place for the next op that breaks it.
+BATCH_OPS = {
+    "var_over_batch": lambda o, t: o.var(0).sum() + o.var(),
+    "std_mean": lambda o, t: sum(x.sum() for x in torch.std_mean(o, dim=0)),
+    "logsumexp_over_batch": lambda o, t: torch.logsumexp(o, 0).sum(),
+    "norm_over_batch": lambda o, t: o.norm(dim=0).sum() + torch.linalg.vector_norm(o),
+    "normalize_over_batch": lambda o, t: (F.normalize(o, dim=0) * t["real"]).sum(),
+    "softmax_over_batch": lambda o, t: (o.softmax(0) * t["real"]).sum(),
+    "cumsum_over_batch": lambda o, t: (o.cumsum(0) * t["real"]).sum(),
+    "max_over_batch": lambda o, t: o.amax(0).sum() + o.max(),
+    "glu": lambda o, t: F.glu(o, -1).pow(2).mean(),
+    "prelu": lambda o, t: F.prelu(o, torch.full((1,), 0.25)).pow(2).mean(),
+    "hardswish_leaky_elu": lambda o, t: (F.hardswish(o) + F.leaky_relu(o, 0.1) + F.elu(o) + F.softplus(o)).mean(),
+    "pairwise_distance": lambda o, t: F.pairwise_distance(o, t["real"]).mean(),
+    "cosine_similarity": lambda o, t: F.cosine_similarity(o, t["real"]).mean(),
+    "masked_fill_where": lambda o, t: o.masked_fill(t["sign"] > 0, 0.0).mean() + torch.where(t["sign"] > 0, o, 1.0).mean(),
+    "rsub_floor_divide": lambda o, t: (1 - o).pow(2).mean() + (o * torch.floor_divide(t["real"], 0.5)).mean(),
 }
 
 
@@ -74,7 +97,7 @@ def run_losses(rank: int, world: int, plan: str, names: list[str]) -> dict:
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(IN, 16), nn.Tanh(), nn.Linear(16, OUT))
             reference = copy.deepcopy(model)
-            step_fn = _step(LOSSES[name])
+            step_fn = _step({**LOSSES, **BATCH_OPS}[name])
             step = spmd.compile(mesh=mesh, plan=spmd.FSDP() if plan == "fsdp" else spmd.DDP(), lower="eager")(step_fn)
             g = torch.Generator().manual_seed(1)
             x, targets = torch.randn(ROWS, IN, generator=g), _targets(g)

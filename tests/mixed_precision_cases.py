@@ -39,6 +39,11 @@ def _gpt():
     return build_gpt(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=96))
 
 
+def _gpt_checkpointed():
+    """The GPT with every block under torch.utils.checkpoint (FSDP2's usual bf16 + checkpointing recipe)."""
+    return build_gpt(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=96, activation_checkpointing="full"))
+
+
 def _mlp():
     return MLP(16, 64, 8, activation=nn.GELU)
 
@@ -75,6 +80,7 @@ def autocast_step(model, optimizer, idx, targets):
 
 MODELS = {
     "gpt": (_gpt, language_model_step, lambda g: [torch.randint(0, 96, (8, 32), generator=g)] * 2),
+    "gpt_checkpointed": (_gpt_checkpointed, language_model_step, lambda g: [torch.randint(0, 96, (8, 32), generator=g)] * 2),
     "gpt_autocast": (_gpt, autocast_step, lambda g: [torch.randint(0, 96, (8, 32), generator=g)] * 2),
     "mlp": (_mlp, mse_step, lambda g: [torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)]),
     "mlp_microbatch": (_mlp, mse_microbatch_step, lambda g: [torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)]),
@@ -84,11 +90,11 @@ MODELS = {
 _ADAMW = lambda ps: torch.optim.AdamW(ps, lr=LR_ADAMW, weight_decay=0.1, foreach=True)  # noqa: E731
 _SGD = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
 LR_ADAMW = 1e-3
-OPTIMIZERS = {"gpt": _ADAMW, "gpt_autocast": _ADAMW, "mlp": _SGD, "mlp_microbatch": _SGD}
+OPTIMIZERS = {"gpt": _ADAMW, "gpt_checkpointed": _ADAMW, "gpt_autocast": _ADAMW, "mlp": _SGD, "mlp_microbatch": _SGD}
 
 # name -> (model, plan, policy (None: the step's own autocast, checked against eager), lower)
 CASES = {
-    "gpt_fsdp_bf16_fp32": ("gpt", "fsdp", "bf16_fp32", "eager"),
+    "gpt_checkpointed_fsdp_bf16_fp32": ("gpt_checkpointed", "fsdp", "bf16_fp32", "eager"),
     "gpt_ddp_reduce_bf16": ("gpt", "ddp", "reduce_bf16", "eager"),
     "mlp_fsdp_bf16_out_fp32": ("mlp", "fsdp", "bf16_out_fp32", "inductor"),
     "mlp_microbatch_fsdp_bf16": ("mlp_microbatch", "fsdp", "bf16", "eager"),

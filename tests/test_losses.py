@@ -28,11 +28,14 @@ def results():
 
 
 # FSDP places the losses as DDP does (the batch is split the same way); a few of them cover it.
-CASES = [("ddp", name) for name in loss_cases.LOSSES] + [("fsdp", name) for name in ("mse", "smooth_l1", "bce")]
+CASES = (
+    [("ddp", name) for name in [*loss_cases.LOSSES, *loss_cases.BATCH_OPS]]
+    + [("fsdp", name) for name in ("mse", "smooth_l1", "bce")]
+)
 
 
 @pytest.mark.parametrize("plan,name", CASES)
-def test_loss_gradients_match_one_device(results, plan, name):
+def test_gradients_match_one_device(results, plan, name):
     for rank, per_loss in enumerate(results(plan)):
         r = per_loss[name]
         assert "error" not in r, f"rank {rank}:\n{r['error']}"
