@@ -68,6 +68,18 @@ BATCH_OPS = {
     "cosine_similarity": lambda o, t: F.cosine_similarity(o, t["real"]).mean(),
     "masked_fill_where": lambda o, t: o.masked_fill(t["sign"] > 0, 0.0).mean() + torch.where(t["sign"] > 0, o, 1.0).mean(),
     "rsub_floor_divide": lambda o, t: (1 - o).pow(2).mean() + (o * torch.floor_divide(t["real"], 0.5)).mean(),
+    "gram_over_batch": lambda o, t: (o @ o.T).pow(2).mean(),
+    "einsum_contract_batch": lambda o, t: torch.einsum("bi,bj->ij", o, t["real"]).pow(2).sum(),
+    "topk_sort_median_over_batch": lambda o, t: o.topk(3, dim=0).values.sum() + (o.sort(0).values * t["real"]).sum()
+    + o.median(0).values.sum(),
+    "index_add_by_class": lambda o, t: torch.zeros(OUT, OUT).index_add(0, t["class"], o).pow(2).sum(),
+    "layer_norm_across_batch": lambda o, t: F.layer_norm(o.T, (ROWS,)).mul(t["real"].T).sum(),
+    "batch_norm_functional": lambda o, t: F.batch_norm(o, None, None, training=True).mul(t["real"]).sum(),
+    "roll_diff_over_batch": lambda o, t: (o.roll(1, 0) * t["real"]).sum() + torch.diff(o, dim=0).pow(2).mean(),
+    "center_over_batch": lambda o, t: (o - o.mean(0)).pow(2).mean(),
+    "std_global_logcumsumexp": lambda o, t: o.std() + o.var(unbiased=False) + torch.logcumsumexp(o, 0).sum(),
+    "soft_targets_weighted_nll": lambda o, t: F.cross_entropy(o, t["prob"].softmax(-1))
+    + F.nll_loss(F.log_softmax(o, -1), t["class"], weight=torch.arange(1.0, OUT + 1)),
 }
 
 
