@@ -36,6 +36,10 @@
   size came from a sharded batch dim; when one did, the output is sharded the same way instead of being
   materialized at global size and split afterwards.
 
+* Pooling backward ops DTensor lacks (``avg_pool2d_backward``, ``adaptive_max_pool2d_backward``, the
+  3-D ones, ...): split on the batch or channel dim, or replicated, like every operand
+  (registered with DTensor's ``register_sharding``, so DTensor itself places them).
+
 * Random ops (every op tagged ``nondeterministic_seeded`` that draws): DTensor's own strategies for
   them let each rank draw its shard from its own generator, which gives every data-parallel rank the
   same "first rows" of randomness. Here the output takes the placement its inputs suggest and is
@@ -56,6 +60,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.experimental import register_sharding
 
 from . import rng
 from . import loss_parallel
@@ -478,6 +483,32 @@ _RULES.update({aten.split.Tensor: split_rule, aten.split_with_sizes.default: spl
 _RULES.update(loss_parallel.RULES)
 _RULES[aten.cat.default] = cat_rule
 _RULES.update({op: sharded_size_rule for op in NEW_FACTORY_OPS | {aten.expand.default, aten.repeat.default}})
+
+
+# Pooling backward ops DTensor (torch 2.13) places only in part (it has max_pool2d's and
+# adaptive_avg_pool2d's backward, not these). Pooling acts on each sample and channel alone, so
+# grad_output, the input, the indices and grad_input may all be split on the batch dim, or all on
+# the channel dim (batched inputs), or all replicated; registered with DTensor's own API.
+_POOL_BACKWARD = [
+    aten.avg_pool2d_backward.default,
+    aten.avg_pool3d_backward.default,
+    aten._adaptive_avg_pool3d_backward.default,
+    aten.adaptive_max_pool2d_backward.default,
+    aten.adaptive_max_pool3d_backward.default,
+    aten.max_pool3d_with_indices_backward.default,
+    aten.fractional_max_pool2d_backward.default,
+    aten.fractional_max_pool3d_backward.default,
+]
+
+
+@register_sharding(_POOL_BACKWARD)
+def _pool_backward_sharding(grad_output, input, *args):
+    tensor_args = [isinstance(a, DTensorSpec) or hasattr(a, "shape") for a in args]
+    strategies = []
+    for placement in [Replicate(), Shard(0)] + ([Shard(1)] if len(input.shape) >= 4 else []):
+        others = [placement if is_tensor else None for is_tensor in tensor_args]
+        strategies.append(([placement], [placement, placement, *others]))
+    return strategies
 
 
 def lookup(target: Any) -> Optional[Callable]:
