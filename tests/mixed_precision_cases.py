@@ -78,10 +78,29 @@ def autocast_step(model, optimizer, idx, targets):
     return loss
 
 
+def _hf_llama():
+    import hf_zoo
+
+    return hf_zoo.ZOO["llama"].build()
+
+
+def _hf_lm_step(model, optimizer, input_ids, labels):
+    import hf_zoo
+
+    return hf_zoo.lm_step(model, optimizer, input_ids, labels)
+
+
+def _hf_batch(g):
+    import hf_zoo
+
+    return list(hf_zoo.causal_batch(g))
+
+
 MODELS = {
     "gpt": (_gpt, language_model_step, lambda g: [torch.randint(0, 96, (8, 32), generator=g)] * 2),
     "gpt_checkpointed": (_gpt_checkpointed, language_model_step, lambda g: [torch.randint(0, 96, (8, 32), generator=g)] * 2),
     "gpt_autocast": (_gpt, autocast_step, lambda g: [torch.randint(0, 96, (8, 32), generator=g)] * 2),
+    "hf_llama": (_hf_llama, _hf_lm_step, _hf_batch),
     "mlp": (_mlp, mse_step, lambda g: [torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)]),
     "mlp_microbatch": (_mlp, mse_microbatch_step, lambda g: [torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)]),
 }
@@ -90,12 +109,13 @@ MODELS = {
 _ADAMW = lambda ps: torch.optim.AdamW(ps, lr=LR_ADAMW, weight_decay=0.1, foreach=True)  # noqa: E731
 _SGD = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
 LR_ADAMW = 1e-3
-OPTIMIZERS = {"gpt": _ADAMW, "gpt_checkpointed": _ADAMW, "gpt_autocast": _ADAMW, "mlp": _SGD, "mlp_microbatch": _SGD}
+OPTIMIZERS = {"hf_llama": _ADAMW, "gpt": _ADAMW, "gpt_checkpointed": _ADAMW, "gpt_autocast": _ADAMW, "mlp": _SGD, "mlp_microbatch": _SGD}
 
 # name -> (model, plan, policy (None: the step's own autocast, checked against eager), lower)
 CASES = {
     "gpt_checkpointed_fsdp_bf16_fp32": ("gpt_checkpointed", "fsdp", "bf16_fp32", "eager"),
     "gpt_ddp_reduce_bf16": ("gpt", "ddp", "reduce_bf16", "eager"),
+    "hf_llama_fsdp_bf16_fp32": ("hf_llama", "fsdp", "bf16_fp32", "eager"),
     "mlp_fsdp_bf16_out_fp32": ("mlp", "fsdp", "bf16_out_fp32", "inductor"),
     "mlp_microbatch_fsdp_bf16": ("mlp_microbatch", "fsdp", "bf16", "eager"),
     "gpt_fsdp_autocast": ("gpt_autocast", "fsdp", None, "eager"),
