@@ -23,6 +23,7 @@
   ``_StridedShard(dim, split_factor=pieces)`` (rank r holds the r-th shard of every piece; DTensor
   plans that redistribution) and every piece comes out ``Shard(dim)``, so each micro-batch stays
   data-parallel and equals the single-device micro-batch exactly.
+* ``_assert_async`` (``F.one_hot``'s range check): each rank asserts its part (see ``assert_rule``).
 * ``lift_fresh_copy``: constants built inside the step (``torch.tensor([...])`` in a forward, as
   HuggingFace models do) are replicated values; DTensor has no rule for the copy.
 * ``_log_softmax``, ``nll_loss_forward`` / ``nll_loss2d_forward`` and their backward ops, for a
@@ -58,7 +59,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.experimental import register_sharding
 
@@ -185,6 +186,19 @@ def constant_rule(node: fx.Node, prop):
     replicated value, so it keeps the constant's placement."""
     spec = prop.output_of(node.args[0])
     return NodeSharding(inputs=(spec,), output=spec)
+
+
+def assert_rule(node: fx.Node, prop):
+    """``_assert_async(cond[, msg])`` (``F.one_hot``'s range check, ``torch._assert_async``): each
+    rank asserts its own part of ``cond``. Where ``cond`` is split, or a partial ``all``/``max``/
+    ``min`` (a product, max or min of the ranks' values), the ranks' local checks together are the
+    global one; a partial sum or mean is reduced first."""
+    spec = prop.output_of(node.args[0])
+    placements = [
+        Replicate() if isinstance(p, Partial) and p.reduce_op in ("sum", "avg") else p for p in spec.placements
+    ]
+    wanted = spec_with_meta(prop.mesh, placements, spec.tensor_meta)
+    return NodeSharding(inputs=(wanted,) + (None,) * (len(node.args) - 1), output=None)
 
 
 def _legacy_empty(prop, a) -> bool:
@@ -482,6 +496,7 @@ _RULES.update({op: factory_rule for op in FACTORY_OPS})
 _RULES.update({aten.split.Tensor: split_rule, aten.split_with_sizes.default: split_rule})
 _RULES.update(loss_parallel.RULES)
 _RULES[aten.cat.default] = cat_rule
+_RULES.update({aten._assert_async.default: assert_rule, aten._assert_async.msg: assert_rule})
 _RULES.update({op: sharded_size_rule for op in NEW_FACTORY_OPS | {aten.expand.default, aten.repeat.default}})
 
 

@@ -108,6 +108,7 @@ class Case:
     model: Callable[[], nn.Module]
     optimizer: Callable[[list], torch.optim.Optimizer]
     reduction: str  # "mean" or "sum" of the per-row loss
+    loss: str  # a key of LOSSES
     tp_plan: dict  # module FQN -> ColwiseParallel() / RowwiseParallel(), for plan "tp"
     description: str
 
@@ -136,13 +137,24 @@ def random_case(seed: int) -> Case:
             style = rng.choice(("colwise", "rowwise", "replicated"))
             if style != "replicated":
                 tp_plan[fqn] = style
-    description = f"seed {seed}: {name} lr {lr}, loss {reduction}, tp {tp_plan}"
-    return Case(seed, model, factories[name], reduction, {k: styles[v]() for k, v in tp_plan.items()}, description)
+    # Drawn last, so the draws above (and the regression seeds' models) are as they were.
+    loss = rng.choice(sorted(LOSSES))
+    description = f"seed {seed}: {name} lr {lr}, loss {loss} {reduction}, tp {tp_plan}"
+    return Case(seed, model, factories[name], reduction, loss, {k: styles[v]() for k, v in tp_plan.items()}, description)
 
 
-def _step(reduction: str):
+# Losses of (logits, class targets, reduction); the regression ones compare one-hot targets.
+LOSSES = {
+    "cross_entropy": lambda o, y, r: F.cross_entropy(o, y, reduction=r),
+    "mse": lambda o, y, r: F.mse_loss(o, F.one_hot(y, o.shape[-1]).to(o.dtype), reduction=r),
+    "smooth_l1": lambda o, y, r: F.smooth_l1_loss(o, F.one_hot(y, o.shape[-1]).to(o.dtype), reduction=r),
+    "bce_with_logits": lambda o, y, r: F.binary_cross_entropy_with_logits(o, F.one_hot(y, o.shape[-1]).to(o.dtype), reduction=r),
+}
+
+
+def _step(loss_name: str, reduction: str):
     def step(model, optimizer, x, y):
-        loss = F.cross_entropy(model(x), y, reduction=reduction)
+        loss = LOSSES[loss_name](model(x), y, reduction)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -168,8 +180,8 @@ def run_case(case: Case, plan_name: str, mesh, rank: int, world: int, steps: int
     reference = copy.deepcopy(model)
     plan = _plan(case, plan_name)
     resolved = resolve_plan(plan, mesh, model)
-    step = spmd.compile(mesh=mesh, plan=plan, lower="eager")(_step(case.reduction))
-    reference_step = _step(case.reduction)
+    step = spmd.compile(mesh=mesh, plan=plan, lower="eager")(_step(case.loss, case.reduction))
+    reference_step = _step(case.loss, case.reduction)
     optimizer, ref_optimizer = case.optimizer(list(model.parameters())), case.optimizer(list(reference.parameters()))
     batch = 2 * world
     worst = 0.0
