@@ -27,6 +27,7 @@ from torch.distributed.tensor._op_schema import OpSchema
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 
 from . import rules
+from .annotate import VIEW_OPS
 from .cost import BatchSymbols, NodeCost, choosing_by_cost
 from .dsymint import SYM_ARITHMETIC, SYM_SOURCE_OPS, DSymInt, apply_arithmetic, from_size_node
 from .errors import PlacementError, TraceError, UnsupportedOpError, node_error
@@ -37,32 +38,18 @@ __all__ = ["propagate"]
 
 aten = torch.ops.aten
 
-# Ops through which a partial p-norm stays one (see _Propagator.dtensor_rule).
-_NORM_PARTIAL_SAFE = frozenset(
-    {
-        aten.linalg_vector_norm.default,
-        aten._foreach_norm.Scalar,
-        aten.stack.default,
-        aten.cat.default,
-        aten.clone.default,
-        aten.detach.default,
-        aten.alias.default,
-        aten._to_copy.default,
-        aten.view.default,
-        aten._unsafe_view.default,
-        aten.reshape.default,
-        aten.unsqueeze.default,
-        aten.squeeze.dim,
-        aten.squeeze.dims,
-        aten.squeeze.default,
-        aten.t.default,
-        aten.transpose.int,
-        aten.permute.default,
-        aten.expand.default,
-        aten.select.int,
-        aten.slice.Tensor,
-    }
-)
+# Ops through which a partial p-norm stays one (see _Propagator.dtensor_rule): views, copies,
+# stack/cat, and the norms themselves.
+_NORM_PARTIAL_SAFE = VIEW_OPS | {
+    aten.linalg_vector_norm.default,
+    aten._foreach_norm.Scalar,
+    aten.stack.default,
+    aten.cat.default,
+    aten.clone.default,
+    aten._to_copy.default,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+}
 
 
 def _with_meta(out: Any, val: Any, mesh: DeviceMesh) -> Any:

@@ -119,22 +119,21 @@ def torch_compile_loop(plan_name: str, mesh) -> dict:
     return _result(model, reference, losses, ref_losses, seen)
 
 
-def random_init(mesh) -> dict:
-    """What DTensor random init gives on a CPU mesh: each rank's local values (no RNG tracker)."""
+def _meta_linear_initialized(mesh, plan) -> dict:
+    """A ``Linear(8, 6)`` built on meta, parallelized with ``plan``, materialized and initialized
+    from seed 0: each rank's local parameter values."""
     with torch.device("meta"):
         model = torch.nn.Linear(8, 6)
-    spmd.parallelize(model, mesh, spmd.DDP())
+    spmd.parallelize(model, mesh, plan)
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     model.reset_parameters()
-    replicated = {k: v.to_local().clone() for k, v in model.named_parameters()}
-    with torch.device("meta"):
-        sharded = torch.nn.Linear(8, 6)
-    spmd.parallelize(sharded, mesh, spmd.FSDP())
-    sharded.to_empty(device="cpu")
-    torch.manual_seed(0)
-    sharded.reset_parameters()
-    return {"replicated": replicated, "sharded": {k: v.to_local().clone() for k, v in sharded.named_parameters()}}
+    return {k: v.to_local().clone() for k, v in model.named_parameters()}
+
+
+def random_init(mesh) -> dict:
+    """What DTensor random init gives on a CPU mesh: each rank's local values (no RNG tracker)."""
+    return {"replicated": _meta_linear_initialized(mesh, spmd.DDP()), "sharded": _meta_linear_initialized(mesh, spmd.FSDP())}
 
 
 def replicated_broadcast_before_first_step(mesh, path: str) -> dict:
