@@ -6,10 +6,11 @@
     loss.backward(); optimizer.step()               # eager optimizer, schedulers, clipping, DCP
 
 :func:`parallelize` converts the model as ``spmd.compile``'s first call does
-(:func:`~spmd_expand.api.distribute_state`), makes its buffers replicated DTensors, and adds two hooks
-on the root module: local batch tensors in (``DTensor.from_local`` with the plan's batch placements),
+(:func:`~spmd_expand.api.distribute_state`), makes its buffers replicated DTensors, and wraps the root
+module's ``forward``: local batch tensors in (``DTensor.from_local`` with the plan's batch placements),
 local results out (``redistribute`` to the batch placements, then ``to_local``). Dynamo traces through
-them, so each graph it captures reads DTensor parameters and produces DTensors.
+the wrapper and the model's own ``forward`` as one frame, so each graph it captures reads DTensor
+parameters and produces DTensors, and a model without graph breaks is one graph.
 
 :func:`spmd_backend` (registered as ``spmd`` through the ``torch_dynamo_backends`` entry point) reads
 one such graph as the single-device program it describes: ``from_local``/``redistribute``/
@@ -33,8 +34,10 @@ compiled graph returns exactly those placements.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
+import types
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -88,12 +91,12 @@ def parallelize(
     call: replicated ones broadcast from rank 0, sharded ones this rank's shard), buffers replicated
     DTensors. A model on the meta device gets meta DTensors of this rank's local shapes and no
     communication: then ``model.to_empty(device=...)`` and initialize or load a checkpoint.
-    Forward hooks on ``model`` take this rank's local batch (plain tensors, split on the batch dim
-    under DDP/FSDP) and return local results (this rank's rows of a batch-shaped result; the full
-    value of a scalar). Build the optimizer after this call, over ``model.parameters()``.
+    ``model.forward`` then takes this rank's local batch (plain tensors, split on the batch dim under
+    DDP/FSDP) and returns local results (this rank's rows of a batch-shaped result; the full value of
+    a scalar): :func:`_wrap_forward`. Build the optimizer after this call, over ``model.parameters()``.
 
-    The model must then run under ``torch.compile(..., backend="spmd")``: run eagerly, the hooks raise
-    (eager DTensor execution would sum, not average, the ranks' gradients).
+    The model must then run under ``torch.compile(..., backend="spmd")``: run eagerly, its forward
+    raises (eager DTensor execution would sum, not average, the ranks' gradients).
     Parameters stored sharded (FSDP) are read in their compute placements while Dynamo traces
     (:func:`_read_parameters_in_compute_placements`; each such module's class becomes a subclass).
 
@@ -134,29 +137,43 @@ def parallelize(
                 # A meta buffer has no values to broadcast (meta-device initialization).
                 module._buffers[name] = distribute_tensor(buf, mesh, replicate(mesh), src_data_rank=None if buf.is_meta else 0)
 
-    def inputs_to_dtensor(module, args, kwargs):
-        _require_compiling()
-        return pytree.tree_map_only(
-            torch.Tensor,
-            lambda t: t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, resolved.batch_placements(t), run_check=False),
-            (args, kwargs),
-        )
-
-    def outputs_to_local(module, args, kwargs, output):
-        _require_compiling()
-        return pytree.tree_map_only(
-            DTensor, lambda t: t.redistribute(mesh, resolved.batch_placements(t)).to_local(), output
-        )
-
     _read_parameters_in_compute_placements(model, resolved)
     _warn_about_kv_cache(model, resolved)
-    model.register_forward_pre_hook(inputs_to_dtensor, with_kwargs=True)
-    model.register_forward_hook(outputs_to_local, with_kwargs=True)
+    _wrap_forward(model, mesh, resolved)
     # Tensor-parallel module boundaries: the styles' redistributions, as torch's own hooks do them.
     boundaries = contextlib.ExitStack()
     boundaries.enter_context(mark_boundaries(model, resolved.module_layouts()))
     _PARALLELIZED[model] = _Parallelized(mesh, plan, resolved, boundaries, timeout)
     return model
+
+
+def _wrap_forward(model: nn.Module, mesh: DeviceMesh, resolved: ResolvedPlan) -> None:
+    """Make ``model.forward`` (an attribute of the instance) take local batch tensors and return local results.
+
+    Inputs: each plain tensor becomes ``DTensor.from_local`` with the plan's batch placements; outputs:
+    each DTensor is redistributed to the batch placements, then ``to_local``. A wrapper of ``forward``
+    rather than forward hooks: ``torch.compile(model)`` runs a module's hooks outside Dynamo and
+    compiles each hook as a graph of its own (three graphs per call, each with its own runtime and
+    autograd node, and the loss's all-reduce alone in the last); the wrapper is traced in one frame
+    with the model's ``forward``. ``inspect.signature(model.forward)`` is the model's.
+    """
+    inner = model.__dict__.get("forward")  # an instance-level forward someone set before us
+    class_forward = type(model).forward
+
+    def to_dtensor(t: torch.Tensor) -> torch.Tensor:
+        return t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, resolved.batch_placements(t), run_check=False)
+
+    def to_local(t: DTensor) -> torch.Tensor:
+        return t.redistribute(mesh, resolved.batch_placements(t)).to_local()
+
+    @functools.wraps(class_forward)
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        _require_compiling()
+        args, kwargs = pytree.tree_map_only(torch.Tensor, to_dtensor, (args, kwargs))
+        output = inner(*args, **kwargs) if inner is not None else class_forward(self, *args, **kwargs)
+        return pytree.tree_map_only(DTensor, to_local, output)
+
+    model.forward = types.MethodType(forward, model)
 
 
 def _read_parameters_in_compute_placements(model: nn.Module, resolved: ResolvedPlan) -> None:
@@ -212,7 +229,7 @@ def _compute_view(name: str, placements: tuple) -> property:
 
 
 def _require_compiling() -> None:
-    """The hooks run only inside a graph Dynamo captures (and our backend compiles).
+    """A parallelized model's forward runs only inside a graph Dynamo captures (and our backend compiles).
 
     Run eagerly (no ``torch.compile``, or Dynamo falling back to eager for a frame after its recompile
     limit), ``to_local`` would give each rank's loss a gradient summed over the data-parallel ranks
@@ -331,8 +348,8 @@ def spmd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Opt
 def _owner(example_inputs: Sequence[Any], options: dict) -> tuple[nn.Module, _Parallelized]:
     """The parallelized model whose parameters the graph reads.
 
-    A graph without parameters (Dynamo compiles a module's hooks apart from its ``forward`` when it
-    cannot inline one into the other) belongs to the model parallelized with ``options``' mesh and
+    A graph without parameters (e.g. the part of a forward before a graph break, or a module hook
+    Dynamo compiles apart from the ``forward``) belongs to the model parallelized with ``options``' mesh and
     plan, or to the only parallelized model of the process.
     """
     ids = {id(t) for t in example_inputs if isinstance(t, nn.Parameter)}
