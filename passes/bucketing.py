@@ -17,8 +17,13 @@ Policy (the eager tools it follows):
   ``fully_shard`` module. A block is the parameter FQN up to its first numeric component
   (``layers.3.attn.q.weight`` -> ``layers.3``: one element of an ``nn.ModuleList``/``Sequential``);
   parameters outside such lists (embeddings, final norm, head) form the root block.
-* Other collectives (the loss's scalars, tensor-parallel activations) are left alone: they sit on the
-  critical path, and merging them would delay the first.
+* **Results only the caller reads** (the returned loss's all-reduce: a ``Partial`` sum made
+  ``Replicate`` for the caller): in a whole-step graph such an all-reduce joins the last gradient
+  all-reduce bucket of its process group, reduce op and dtype instead of blocking on its own after
+  the optimizer update (it waited after every in-place write). One collective less per step; its
+  bytes (a scalar) ride along.
+* Other collectives (the loss denominator, tensor-parallel activations) are left alone: they sit on
+  the critical path, and merging them would delay the first.
 
 Only collectives of the same kind, process group, reduce op and dtype are merged, and never two where
 one's input depends on the other's output. The bucket's collective is placed where its last member was
@@ -129,9 +134,15 @@ class BucketCollectives(SpmdPass):
 
     def call(self, gm: fx.GraphModule) -> PassResult:
         buckets = self.buckets(gm)
-        split = getattr(gm.meta.get("spmd_pass_context"), "split_graph", False)
+        split = _is_split(gm)
         for kind, nodes in buckets:
-            _MERGE[kind](gm.graph, nodes, **(_placement(gm.graph, nodes) if split else {}))
+            if split:
+                where = _placement(gm.graph, nodes)
+            else:
+                # Where the last member that is not a deferred result was: a deferred all-reduce may
+                # sit after the optimizer update, which reads the bucket's other members.
+                where = {"insert_before": [n for n in nodes if not _only_returned(n)][-1].next}
+            _MERGE[kind](gm.graph, nodes, **where)
         if buckets:
             gm.graph.lint()
             gm.recompile()
@@ -141,9 +152,13 @@ class BucketCollectives(SpmdPass):
         """The buckets this pass would merge: ``(kind, collectives in graph order)``, two or more each."""
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         candidates: dict[str, list[_Candidate]] = {}
+        deferred: list[fx.Node] = []
         for node in gm.graph.nodes:
             kind = collective_kind(node)
             fqn = node.meta.get("fqn")
+            if kind == "all_reduce" and fqn is None and node.target in _MERGEABLE and _only_returned(node):
+                deferred.append(node)
+                continue
             if kind not in _MERGE or fqn is None or node.target not in _MERGEABLE:
                 continue
             group = node.args[-1]
@@ -160,6 +175,14 @@ class BucketCollectives(SpmdPass):
                 position = min(order[u] for u in _wait_of(node).users) if _wait_of(node).users else order[node]
             nbytes = max(_nbytes(val), _nbytes(node.args[0].meta["val"]))
             candidates.setdefault(kind, []).append(_Candidate(node, key, position, nbytes))
+        if not _is_split(gm):
+            # A deferred all-reduce goes right after the last gradient of its key (its input comes
+            # from forward; nothing in the step reads its result).
+            for node in deferred:
+                key = ("all_reduce", node.args[-1], node.args[1], node.meta["val"].dtype)
+                last = max((c.order for c in candidates.get("all_reduce", []) if c.key == key), default=None)
+                if last is not None:
+                    candidates["all_reduce"].append(_Candidate(node, key, last + 0.5, _nbytes(node.meta["val"])))
 
         result = []
         for kind, found in candidates.items():
@@ -188,6 +211,18 @@ class BucketCollectives(SpmdPass):
         if len(current) > 1:
             buckets.append(current)
         return buckets
+
+
+def _is_split(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` is the forward or backward part of a split joint graph (the torch.compile
+    backend), not a whole step."""
+    return getattr(gm.meta.get("spmd_pass_context"), "split_graph", False)
+
+
+def _only_returned(node: fx.Node) -> bool:
+    """Whether the collective's result goes only to the graph's output (its wait's users)."""
+    wait = _wait_of(node)
+    return wait is not None and bool(wait.users) and all(u.op == "output" for u in wait.users)
 
 
 def _placement(graph: fx.Graph, nodes: list[fx.Node]) -> dict:

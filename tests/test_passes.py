@@ -80,14 +80,30 @@ def test_bucketing_ddp_one_bucket_for_small_gradients(ddp_graph):
     before = collective_stats(ddp_graph[0]).as_dict()["all_reduce"]
     gm, records = _run(BucketCollectives(), ddp_graph)
     after = collective_stats(gm).as_dict()["all_reduce"]
-    # 2-layer GPT: 34 gradient all-reduces (28 KB, under the 1 MiB first bucket) become one; the two
-    # scalar all-reduces of the loss stay.
-    assert before["count"] == 36 and after["count"] == 3
+    # 2-layer GPT: 34 gradient all-reduces (28 KB, under the 1 MiB first bucket) and the returned
+    # loss's all-reduce become one; the loss denominator's all-reduce (forward needs it) stays.
+    assert before["count"] == 36 and after["count"] == 2
     assert after["bytes"] == before["bytes"]
     assert records[0].name == "bucketing" and records[0].modified
     # Idempotent: the bucket is not merged again.
     again, records = run_passes(gm, [BucketCollectives()], ddp_graph[1])
-    assert not records[0].modified and collective_stats(again).as_dict()["all_reduce"]["count"] == 3
+    assert not records[0].modified and collective_stats(again).as_dict()["all_reduce"]["count"] == 2
+
+
+def test_bucketing_returned_loss_joins_the_last_gradient_bucket(ddp_graph):
+    gm, _ = ddp_graph
+    starts = [n for n in gm.graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default]
+    returned = [n for n in starts if all(u.op == "output" for u in next(iter(n.users)).users)]
+    assert len(returned) == 1 and returned[0].meta["val"].dim() == 0  # the loss, after the update
+    buckets = BucketCollectives(bucket_cap_mb=0.004, first_bucket_cap_mb=0.001).buckets(copy_graph_module(gm))
+    names = [[n.name for n in nodes] for _, nodes in buckets]
+    assert returned[0].name in names[-1] and all(returned[0].name not in b for b in names[:-1])
+    # Merged, the loss comes out of the bucket before the optimizer update, not after it.
+    merged, _ = _run(BucketCollectives(), ddp_graph)
+    position = _position(merged)
+    bucket = next(n for n in merged.graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default and n.meta["val"].numel() > 1)
+    first_write = min(position[n] for n in merged.graph.nodes if n.target is torch.ops.aten.copy_.default)
+    assert position[bucket] < first_write
 
 
 def test_bucketing_ddp_caps_follow_production_order(ddp_graph):
