@@ -5,8 +5,9 @@ name                        stage   what it does
 ==========================  ======  ==============================================================
 ``regather_for_backward``   global  FSDP ``reshard_after_forward``: parameters gathered again per
                                     region (:mod:`.regather`)
-``bucketing``               local   gradient all-reduces in DDP-sized buckets, parameter all-gathers
-                                    and gradient reduce-scatters per block (:mod:`.bucketing`)
+``bucketing``               local   gradient all-reduces in DDP-sized buckets (the returned loss's
+                                    all-reduce in the last), parameter all-gathers and gradient
+                                    reduce-scatters per block (:mod:`.bucketing`)
 ``overlap``                 local   collectives issued early and waited late; all-gathers prefetch
                                     one block ahead (:mod:`.overlap`)
 ==========================  ======  ==============================================================

@@ -14,8 +14,10 @@ the graph (and only moves collectives, the nodes that exist only to feed them, a
   issued before it, so at most two gathered buckets are alive at once: FSDP2's default (prefetch the
   next block's parameters while the current block computes; Zhao et al., "PyTorch FSDP", VLDB 2023,
   section 3.3.1 "backward/forward prefetching");
-* no collective moves above a node that writes in place into a graph input (``copy_`` into a
-  parameter or state). Collectives may change their issue order (gradients are reduced in the order
+* a collective that reads a graph input (a parameter, a state, or a view of one) never moves above
+  a node that writes in place into a graph input (``copy_`` into a parameter or state), and its wait
+  never sinks below one (a collective in flight may still read its input); a collective that reads
+  only values the step computed (the returned loss) is free to cross them. Collectives may change their issue order (gradients are reduced in the order
   backward produces them, not the order the optimizer reads them); every rank runs the same
   deterministic pass on the same graph, so all ranks issue them in the same order, which is what
   ``torch.distributed`` requires.
@@ -93,6 +95,17 @@ def _writes_input(node: fx.Node) -> bool:
     )
 
 
+def _reads_input(members: list[fx.Node]) -> bool:
+    """Whether a collective (``members``: its start and feeders, :func:`_feeders`) reads a graph input
+    or a view of one, whose bytes an in-place write could change under it."""
+    inside = set(members)
+    return any(
+        arg not in inside and (arg.op == "placeholder" or _aliases_input(arg))
+        for m in members
+        for arg in m.all_input_nodes
+    )
+
+
 def _feeders(start: fx.Node) -> list[fx.Node]:
     """``start`` and the layout nodes that exist only to feed it (all their users are in the set),
     in graph order."""
@@ -156,10 +169,10 @@ class OverlapCollectives(SpmdPass):
                 continue
             order = {n: i for i, n in enumerate(graph.nodes)}
             first = min(users, key=order.__getitem__)
-            # Nor past an in-place write into a graph input: the collective may still be reading
-            # its input while it is in flight.
+            # Nor past an in-place write into a graph input, when the collective reads one: it may
+            # still be reading its input while it is in flight.
             node = wait.next
-            while node is not first:
+            while node is not first and _reads_input(_feeders(wait.args[0])):
                 if _writes_input(node):
                     first = node
                     break
@@ -182,9 +195,9 @@ class OverlapCollectives(SpmdPass):
                 for arg in m.all_input_nodes:
                     if arg not in member_set and (anchor is None or order[arg] > order[anchor]):
                         anchor = arg
-            # Never above a node that writes in place into a graph input.
+            # Never above a node that writes in place into a graph input, when it reads one.
             for node in graph.nodes:
-                if node is start:
+                if node is start or not _reads_input(members):
                     break
                 if _writes_input(node):
                     if anchor is None or order[node] > order[anchor]:
