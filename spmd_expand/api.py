@@ -22,10 +22,11 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .errors import PlanError, SpmdError, TraceError
 from .expand import RedistributeCache
-from .guards import ObjectIds, Snapshot, cache_key, check_batch, initialize_optimizer_state, snapshot
+from .guards import ObjectIds, Snapshot, cache_key, check_batch, initialize_optimizer_state, mesh_group, snapshot
 from .lower import LOWERINGS
 from .passes import resolve_passes
 from .pipeline import Override, StepArtifacts, compile_step
@@ -113,7 +114,7 @@ def distribute_state(
     """Turn parameters (and existing optimizer states) into DTensors with the plan's placements.
 
     Replicated parameters are broadcast from rank 0 (``distribute_tensor``), as DDP does at
-    construction; sharded ones keep this rank's shard of the full tensor every rank holds. Parameters
+    construction; sharded ones become this rank's piece of rank 0's tensor (:func:`_distribute`). Parameters
     that already are DTensors are kept. Buffers stay plain tensors and are broadcast from rank 0.
     The conversion of ``spmd.compile``'s first call and of :func:`spmd_expand.parallelize`.
     ``timeout`` bounds the wait of the cross-rank check (default: the store's).
@@ -162,9 +163,30 @@ def distribute_state(
 
 
 def _distribute(tensor: torch.Tensor, mesh: DeviceMesh, placements) -> DTensor:
-    """``distribute_tensor`` from rank 0; a meta tensor has no values to send, so each rank only
-    cuts its local shape (``src_data_rank=None``: no collective)."""
-    return distribute_tensor(tensor, mesh, placements, src_data_rank=None if tensor.is_meta else 0)
+    """``distribute_tensor`` from the mesh's first rank; a meta tensor has no values to send, so each
+    rank only cuts its local shape (no collective).
+
+    Sharded (``Shard``/``Replicate`` only) placements: the full tensor is broadcast in place from the
+    mesh's first rank (as DDP's construction broadcasts), then each rank cuts its own piece
+    (``compute_local_shape_and_global_offset``: DTensor's chunking) and copies it. ``distribute_tensor``
+    splits and pads all W pieces on every rank, O(W) Python work per parameter (6.7 s of an FSDP dump
+    at W=16,384); this is O(1) in W. The same values either way: the first rank's tensor, chunked as
+    DTensor chunks it.
+    """
+    if not all(type(p) in (Shard, Replicate) for p in placements) or not any(type(p) is Shard for p in placements):
+        return distribute_tensor(tensor, mesh, placements, src_data_rank=None if tensor.is_meta else 0)
+    if not tensor.is_meta and mesh.size() > 1:
+        group = mesh_group(mesh)
+        dist.broadcast(tensor, src=int(mesh.mesh.flatten()[0]), group=group)
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+    local = tensor
+    for dim, (start, length) in enumerate(zip(offset, shape)):
+        if length != tensor.shape[dim]:
+            local = local.narrow(dim, start, length)
+    return DTensor.from_local(
+        local.clone(memory_format=torch.contiguous_format), mesh, placements, run_check=False,
+        shape=tensor.shape, stride=tensor.stride(),
+    )
 
 
 # Models distributed while on the meta device: their replicated state gets values only later

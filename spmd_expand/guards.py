@@ -47,7 +47,7 @@ from .plans import ResolvedPlan
 from .trace import HyperParameter
 from .watch import is_communication_failure
 
-__all__ = ["ObjectIds", "Snapshot", "cache_key", "check_batch", "initialize_optimizer_state", "snapshot"]
+__all__ = ["ObjectIds", "Snapshot", "cache_key", "check_batch", "initialize_optimizer_state", "mesh_group", "snapshot"]
 
 
 class ObjectIds:
@@ -215,7 +215,7 @@ def _batch_problems(leaves: Sequence[torch.Tensor], plan: ResolvedPlan) -> list[
 _SUBMESH_GROUPS: dict[tuple, Any] = {}
 
 
-def _mesh_group(mesh: DeviceMesh):
+def mesh_group(mesh: DeviceMesh):
     """A process group over all ranks of ``mesh``.
 
     Not ``DeviceMesh._flatten()``: flattening a 2-D mesh changed how DTensor redistributed on it
@@ -249,7 +249,7 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: Device
         if problems:
             raise BatchError("; ".join(problems))
         return
-    group = _mesh_group(mesh)
+    group = mesh_group(mesh)
     digest = torch.tensor(
         [zlib.crc32(repr(shapes).encode()), len(leaves), int(bool(problems)), 0], dtype=torch.int64, device=mesh.device_type
     )
