@@ -17,10 +17,10 @@ the graph (and only moves collectives, the nodes that exist only to feed them, a
 * a collective that reads a graph input (a parameter, a state, or a view of one) never moves above
   a node that writes in place into a graph input (``copy_`` into a parameter or state), and its wait
   never sinks below one (a collective in flight may still read its input); a collective that reads
-  only values the step computed (the returned loss) is free to cross them. Collectives may change their issue order (gradients are reduced in the order
-  backward produces them, not the order the optimizer reads them); every rank runs the same
-  deterministic pass on the same graph, so all ranks issue them in the same order, which is what
-  ``torch.distributed`` requires.
+  only values the step computed (the returned loss) is free to cross them. Collectives may change
+  their issue order (gradients are reduced in the order backward produces them, not the order the
+  optimizer reads them); every rank runs the same deterministic pass on the same graph, so all ranks
+  issue them in the same order, which is what ``torch.distributed`` requires.
 
 The cost model is the simplest that explains the gain: communication is free while compute runs, so
 the best place for a start is as early as its inputs allow and for a wait as late as its users allow;
@@ -172,7 +172,8 @@ class OverlapCollectives(SpmdPass):
             # Nor past an in-place write into a graph input, when the collective reads one: it may
             # still be reading its input while it is in flight.
             node = wait.next
-            while node is not first and _reads_input(_feeders(wait.args[0])):
+            reads_input = _reads_input(_feeders(wait.args[0]))
+            while node is not first and reads_input:
                 if _writes_input(node):
                     first = node
                     break
@@ -196,8 +197,9 @@ class OverlapCollectives(SpmdPass):
                     if arg not in member_set and (anchor is None or order[arg] > order[anchor]):
                         anchor = arg
             # Never above a node that writes in place into a graph input, when it reads one.
+            reads_input = _reads_input(members)
             for node in graph.nodes:
-                if node is start or not _reads_input(members):
+                if node is start or not reads_input:
                     break
                 if _writes_input(node):
                     if anchor is None or order[node] > order[anchor]:
