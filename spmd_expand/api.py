@@ -175,11 +175,12 @@ def _distribute(tensor: torch.Tensor, mesh: DeviceMesh, placements) -> DTensor:
     """
     if not all(type(p) in (Shard, Replicate) for p in placements) or not any(type(p) is Shard for p in placements):
         return distribute_tensor(tensor, mesh, placements, src_data_rank=None if tensor.is_meta else 0)
+    source = tensor
     if not tensor.is_meta and mesh.size() > 1:
-        group = mesh_group(mesh)
-        dist.broadcast(tensor, src=int(mesh.mesh.flatten()[0]), group=group)
+        source = tensor.contiguous()  # NCCL sends contiguous tensors only; in place when it already is
+        dist.broadcast(source, src=int(mesh.mesh.flatten()[0]), group=mesh_group(mesh))
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
-    local = tensor
+    local = source
     for dim, (start, length) in enumerate(zip(offset, shape)):
         if length != tensor.shape[dim]:
             local = local.narrow(dim, start, length)
