@@ -136,12 +136,15 @@ class BucketCollectives(SpmdPass):
         buckets = self.buckets(gm)
         split = _is_split(gm)
         for kind, nodes in buckets:
+            gradients = [n for n in nodes if n.meta.get("fqn") is not None]
             if split:
                 where = _placement(gm.graph, nodes)
+            elif gradients:
+                # Where the last gradient member was: a deferred result's all-reduce may sit after
+                # the optimizer update, which reads the gradients.
+                where = {"insert_before": gradients[-1].next}
             else:
-                # Where the last member that is not a deferred result was: a deferred all-reduce may
-                # sit after the optimizer update, which reads the bucket's other members.
-                where = {"insert_before": [n for n in nodes if not _only_returned(n)][-1].next}
+                where = {}
             _MERGE[kind](gm.graph, nodes, **where)
         if buckets:
             gm.graph.lint()
