@@ -162,7 +162,8 @@ class OverlapCollectives(SpmdPass):
         graph = gm.graph
         moved = 0
         # Wait late: just before the first user (nodes that only issue collectives may stay between).
-        issuing = {m for n in graph.nodes if collective_kind(n) is not None for m in _feeders(n)}
+        feeders = {n: _feeders(n) for n in graph.nodes if collective_kind(n) is not None}
+        issuing = {m for members in feeders.values() for m in members}
         for wait in [n for n in graph.nodes if n.target is WAIT]:
             users = list(wait.users)
             if not users:
@@ -171,13 +172,14 @@ class OverlapCollectives(SpmdPass):
             first = min(users, key=order.__getitem__)
             # Nor past an in-place write into a graph input, when the collective reads one: it may
             # still be reading its input while it is in flight.
-            node = wait.next
-            reads_input = _reads_input(_feeders(wait.args[0]))
-            while node is not first and reads_input:
-                if _writes_input(node):
-                    first = node
-                    break
-                node = node.next
+            start = wait.args[0]
+            if _reads_input(feeders[start] if start in feeders else _feeders(start)):
+                node = wait.next
+                while node is not first:
+                    if _writes_input(node):
+                        first = node
+                        break
+                    node = node.next
             node = wait.next
             while node is not first and (node in issuing or node.target is WAIT):
                 node = node.next
@@ -197,12 +199,11 @@ class OverlapCollectives(SpmdPass):
                     if arg not in member_set and (anchor is None or order[arg] > order[anchor]):
                         anchor = arg
             # Never above a node that writes in place into a graph input, when it reads one.
-            reads_input = _reads_input(members)
-            for node in graph.nodes:
-                if node is start or not reads_input:
-                    break
-                if _writes_input(node):
-                    if anchor is None or order[node] > order[anchor]:
+            if _reads_input(members):
+                for node in graph.nodes:
+                    if node is start:
+                        break
+                    if _writes_input(node) and (anchor is None or order[node] > order[anchor]):
                         anchor = node
             if collective_kind(start) == "all_gather":
                 if previous_gather_wait is not None and (anchor is None or order[previous_gather_wait] > order[anchor]):
