@@ -168,7 +168,7 @@ class BucketCollectives(SpmdPass):
             val = node.meta["val"]
             region = backward_index(node) or 0
             if kind == "all_reduce":
-                key = (kind, group, node.args[1], val.dtype)
+                key = _all_reduce_key(node)
                 position = order[node.args[0]]  # gradient produced
             elif kind == "reduce_scatter":
                 key = (kind, group, node.args[1], val.dtype, region, block_of(fqn))
@@ -182,7 +182,7 @@ class BucketCollectives(SpmdPass):
             # A deferred all-reduce goes right after the last gradient of its key (its input comes
             # from forward; nothing in the step reads its result).
             for node in deferred:
-                key = ("all_reduce", node.args[-1], node.args[1], node.meta["val"].dtype)
+                key = _all_reduce_key(node)
                 last = max((c.order for c in candidates.get("all_reduce", []) if c.key == key), default=None)
                 if last is not None:
                     candidates["all_reduce"].append(_Candidate(node, key, last + 0.5, _nbytes(node.meta["val"])))
@@ -214,6 +214,11 @@ class BucketCollectives(SpmdPass):
         if len(current) > 1:
             buckets.append(current)
         return buckets
+
+
+def _all_reduce_key(node: fx.Node) -> tuple:
+    """What two all-reduces must share to be merged: process group, reduce op, dtype."""
+    return ("all_reduce", node.args[-1], node.args[1], node.meta["val"].dtype)
 
 
 def _is_split(gm: fx.GraphModule) -> bool:
