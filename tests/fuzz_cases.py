@@ -143,12 +143,16 @@ def random_case(seed: int) -> Case:
     return Case(seed, model, factories[name], reduction, loss, {k: styles[v]() for k, v in tp_plan.items()}, description)
 
 
+def _one_hot(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.one_hot(y, o.shape[-1]).to(o.dtype)
+
+
 # Losses of (logits, class targets, reduction); the regression ones compare one-hot targets.
 LOSSES = {
     "cross_entropy": lambda o, y, r: F.cross_entropy(o, y, reduction=r),
-    "mse": lambda o, y, r: F.mse_loss(o, F.one_hot(y, o.shape[-1]).to(o.dtype), reduction=r),
-    "smooth_l1": lambda o, y, r: F.smooth_l1_loss(o, F.one_hot(y, o.shape[-1]).to(o.dtype), reduction=r),
-    "bce_with_logits": lambda o, y, r: F.binary_cross_entropy_with_logits(o, F.one_hot(y, o.shape[-1]).to(o.dtype), reduction=r),
+    "mse": lambda o, y, r: F.mse_loss(o, _one_hot(o, y), reduction=r),
+    "smooth_l1": lambda o, y, r: F.smooth_l1_loss(o, _one_hot(o, y), reduction=r),
+    "bce_with_logits": lambda o, y, r: F.binary_cross_entropy_with_logits(o, _one_hot(o, y), reduction=r),
 }
 
 
