@@ -14,9 +14,10 @@ global size on every rank and sliced to this rank's part (see :mod:`spmd_expand.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -26,7 +27,9 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._redistribute import redistribute_local_tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor._redistribute import _gen_transform_infos, _TransformInfo, redistribute_local_tensor
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -98,36 +101,91 @@ def _strided_to_replicate(src: DTensorSpec, dst: DTensorSpec) -> Optional[Callab
 
 
 def _uneven_shard(src: DTensorSpec, dst: DTensorSpec) -> Optional[Callable]:
-    """A constant-size redistribution for an uneven ``Shard(d)`` on one mesh dim: ``Partial("sum")``
-    -> ``Shard(d)`` (reduce-scatter) or ``Shard(d)`` -> ``Replicate()`` (all-gather), when that is the
-    only mesh dim that changes and no other mesh dim shards dim d; else None.
+    """A redistribution of constant size in the mesh for uneven shards: DTensor's own plan (its
+    per-mesh-dim steps, ``_gen_transform_infos``), with each step that moves an uneven ``Shard(d)``,
+    ``Partial("sum")`` -> ``Shard(d)`` (reduce-scatter) or ``Shard(d)`` -> ``Replicate()``
+    (all-gather), done by :func:`_uneven_step`. None when no step is uneven (DTensor's path is then
+    constant-size) or DTensor's plan passes through a state this cannot name.
 
     DTensor pads uneven shards one piece at a time: it splits the tensor into the W pieces, pads each
     and concatenates them (reduce-scatter), or chunks the gathered tensor and unpads each piece
     (all-gather), so a graph holds O(W) nodes per redistribution (W=512: 27,168 ``constant_pad_nd``
-    for 64 gradients). With DTensor's chunking (``torch.chunk``: pieces of c = ceil(n/W), the last
-    non-empty piece shorter, any after it empty), padding the whole tensor to W*c rows and scattering
-    gives each rank its piece padded to c rows, and the real rows of a gathered padded tensor are its
-    first n: one pad and one narrow, whatever W.
+    for 64 gradients). Several mesh dims may change at once (FSDP+TP: a gradient ``Partial(sum),
+    Replicate()`` -> ``Shard(0), Shard(0)``); each step runs on the logical tensor of its mesh dim.
     """
-    changed = [m for m, (a, b) in enumerate(zip(src.placements, dst.placements)) if a != b]
-    if len(changed) != 1:
+    mesh = src.mesh
+    steps: list[Callable] = []
+    current, uneven = tuple(src.placements), False
+    for info in _gen_transform_infos(src, dst):
+        m, (before, after) = info.mesh_dim, info.src_dst_placements
+        if current[m] != before:
+            return None
+        after_step = current[:m] + (after,) + current[m + 1 :]
+        a = DTensorSpec(mesh, current, tensor_meta=src.tensor_meta)
+        b = DTensorSpec(mesh, after_step, tensor_meta=src.tensor_meta)
+        # The intermediate specs name DTensor's state only if DTensor plans this step the same way.
+        if [(i.mesh_dim, i.src_dst_placements) for i in _gen_transform_infos(a, b)] != [(m, (before, after))]:
+            return None
+        step = _uneven_step(src.tensor_meta.shape, mesh, info, current)
+        if step is _UNSUPPORTED:
+            return None
+        uneven |= step is not None
+        steps.append(step or functools.partial(redistribute_local_tensor, current_spec=a, target_spec=b))
+        current = after_step
+    if not uneven:
         return None
-    m = changed[0]
-    before, after = src.placements[m], dst.placements[m]
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        for step in steps:
+            t = step(t)
+        return t
+
+    return fn
+
+
+def _gathered_or_scattered_dim(info: _TransformInfo) -> Optional[tuple[int, bool]]:
+    """(dim d, whether all-gathered) for ``Partial("sum")`` -> ``Shard(d)`` and ``Shard(d)`` ->
+    ``Replicate()``; None for any other step."""
+    before, after = info.src_dst_placements
     if type(before) is Partial and before.reduce_op == "sum" and type(after) is Shard:
-        dim, gather = after.dim, False
-    elif type(before) is Shard and type(after) is Replicate:
-        dim, gather = before.dim, True
-    else:
+        return after.dim, False
+    if type(before) is Shard and type(after) is Replicate:
+        return before.dim, True
+    return None
+
+
+# _uneven_step's answer for an uneven step it cannot do in one collective.
+_UNSUPPORTED = object()
+
+
+def _uneven_step(shape: Sequence[int], mesh: DeviceMesh, info: _TransformInfo, current: tuple) -> Any:
+    """One step of a plan for a tensor of global ``shape``, from placements ``current``, as one pad, one collective and one narrow,
+    when it reduce-scatters (``Partial("sum")`` -> ``Shard(d)``) or all-gathers (``Shard(d)`` ->
+    ``Replicate()``) a dim d that the mesh dim's size does not divide; None when the step is even or
+    another kind (DTensor's own step is constant-size), ``_UNSUPPORTED`` when a later mesh dim also
+    shards d.
+
+    The step runs on the logical tensor of its mesh dim: the global tensor as the mesh dims before it
+    shard it (DTensor's default left-to-right shard order). With DTensor's chunking (``torch.chunk``:
+    pieces of c = ceil(n/W), the last non-empty piece shorter, any after it empty), padding the whole
+    tensor to W*c rows and scattering gives each rank its piece padded to c rows, and the real rows of
+    a gathered padded tensor are its first n.
+    """
+    found = _gathered_or_scattered_dim(info)
+    if found is None:
         return None
-    if any(k != m and shards_dim(p) and p.dim == dim for k, p in enumerate(src.placements)):
-        return None
-    n, size = src.tensor_meta.shape[dim], src.mesh.size(m)
+    dim, gather = found
+    m = info.mesh_dim
+    if any(k > m and shards_dim(p) and p.dim == dim for k, p in enumerate(current)):
+        return _UNSUPPORTED
+    before_m = tuple(current[:m]) + tuple(Replicate() for _ in range(mesh.ndim - m))
+    logical, _ = compute_local_shape_and_global_offset(shape, mesh, before_m)
+    n, size = int(logical[dim]), mesh.size(m)
     if n % size == 0:
         return None  # DTensor's own path is one collective
     chunk = -(-n // size)
-    group = (src.mesh, m)
+    real = max(0, min(chunk, n - chunk * mesh.get_coordinate()[m]))  # this rank's piece
+    group = (mesh, m)
 
     def rows_first(x: torch.Tensor, rows: int) -> torch.Tensor:
         """Dim ``dim`` of ``x`` moved first, padded with ``rows`` zero rows at its end, contiguous."""
@@ -140,13 +198,12 @@ def _uneven_shard(src: DTensorSpec, dst: DTensorSpec) -> Optional[Callable]:
         return x.movedim(0, dim).contiguous() if dim else x
 
     if gather:
-        real = local_shape(src)[dim]
 
         def fn(t: torch.Tensor) -> torch.Tensor:
             full = funcol.all_gather_single(rows_first(t, chunk - real), gather_dim=0, group=group)
             return rows_back(full.narrow(0, 0, n))
+
     else:
-        real = local_shape(dst)[dim]
 
         def fn(t: torch.Tensor) -> torch.Tensor:
             piece = funcol.reduce_scatter_single(rows_first(t, chunk * size - n), "sum", scatter_dim=0, group=group)
@@ -239,6 +296,9 @@ class RedistributeCache:
                 gm = make_fx(uneven, tracing_mode="fake")(example)
             else:
                 gm = make_fx(lambda t: redistribute_local_tensor(t, src, dst), tracing_mode="fake")(example)
+            # DTensor's local chunking (Replicate -> Shard) splits into W pieces and keeps one.
+            gm.graph.eliminate_dead_code()
+            gm.recompile()
             self._graphs[key] = gm
         return gm
 
