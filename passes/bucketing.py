@@ -210,7 +210,7 @@ class BucketCollectives(SpmdPass):
                 started += 1
             current.append(c.node)
             size += c.nbytes
-            descendants |= _descendants(c.node)
+            _add_descendants(c.node, descendants)
         if len(current) > 1:
             buckets.append(current)
         return buckets
@@ -270,11 +270,12 @@ def _placement(graph: fx.Graph, nodes: list[fx.Node]) -> dict:
     return {}
 
 
-def _descendants(node: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), [node]
+def _add_descendants(node: fx.Node, seen: set[fx.Node]) -> None:
+    """Add the nodes that depend on ``node`` to ``seen``, which is closed under users: the walk stops
+    at a node already there, so a bucket's members cost one pass over the graph together."""
+    stack = [node]
     while stack:
         for user in stack.pop().users:
             if user not in seen:
                 seen.add(user)
                 stack.append(user)
-    return seen
