@@ -8,6 +8,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from spmd_expand.expand import RedistributeCache
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 P, R, S0, S1 = Partial(), Replicate(), Shard(0), Shard(1)
 # (mesh shape, source placements, target placements, global shape): uneven on at least one step.
@@ -43,3 +46,18 @@ def redistribute_like_dtensor(rank: int, world: int) -> list[dict]:
         ours = gm(local)
         results.append({"case": f"{mesh_shape} {src} -> {dst} {shape}", "ours": ours, "theirs": theirs})
     return results
+
+
+def graph_sizes_on_fake_world() -> dict:
+    """Nodes of the redistribution graphs of 33 rows on 4x4 and 64x64 meshes of a fake world of 4096
+    (run in a fresh process: the test session's default group is another)."""
+    dist.init_process_group("fake", rank=0, world_size=4096, store=FakeStore())
+    meta = TensorMeta(torch.Size((33, 8)), (8, 1), torch.float32)
+    sizes = {}
+    for side in (4, 64):
+        mesh = DeviceMesh("cpu", torch.arange(side * side).view(side, side))
+        for name, src, dst in [("P,R->S0,S0", (P, R), (S0, S0)), ("S0,S0->R,S0", (S0, S0), (R, S0))]:
+            gm = RedistributeCache().get(DTensorSpec(mesh, src, tensor_meta=meta), DTensorSpec(mesh, dst, tensor_meta=meta))
+            sizes[(side, name)] = len(gm.graph.nodes)
+    dist.destroy_process_group()
+    return sizes
