@@ -5,8 +5,8 @@ For L in (4, 8, 16, 32) layers, on torch's fake process group of world size 8 (n
 * spmd_expand: the whole front end without Inductor: trace the global step (make_fx, 2 passes), the
   global passes and rank check, propagate placements, expand to the local graph, the default local
   passes (bucketing, overlap). Reported per stage (``trace_s``, ``propagate_s``, ``expand_s``,
-  ``passes_s``: global and local passes and the rank check), ``expand_s`` old-style as propagate +
-  expand (``propagate_expand_s``), and end to end (``total_s``).
+  ``passes_s``: global and local passes and the rank check), propagate + expand together
+  (``propagate_expand_s``, what earlier runs called ``expand_s``), and end to end (``total_s``).
 * baseline: ``make_fx`` of the same step on DTensor-wrapped local tensors (``DTensor.from_local``),
   which records the local graph by running DTensor's dispatch (propagation + redistribution) op by op.
 
