@@ -162,8 +162,8 @@ def _uneven_step(shape: Sequence[int], mesh: DeviceMesh, info: _TransformInfo, c
     """One step of a plan for a tensor of global ``shape``, from placements ``current``, as one pad, one collective and one narrow,
     when it reduce-scatters (``Partial("sum")`` -> ``Shard(d)``) or all-gathers (``Shard(d)`` ->
     ``Replicate()``) a dim d that the mesh dim's size does not divide; None when the step is even or
-    another kind (DTensor's own step is constant-size), ``_UNSUPPORTED`` when a later mesh dim also
-    shards d.
+    another kind (DTensor's own step is constant-size), ``_UNSUPPORTED`` when a later mesh dim, or a
+    ``_StridedShard``, also shards d.
 
     The step runs on the logical tensor of its mesh dim: the global tensor as the mesh dims before it
     shard it (DTensor's default left-to-right shard order). With DTensor's chunking (``torch.chunk``:
@@ -176,8 +176,10 @@ def _uneven_step(shape: Sequence[int], mesh: DeviceMesh, info: _TransformInfo, c
         return None
     dim, gather = found
     m = info.mesh_dim
-    if any(k > m and shards_dim(p) and p.dim == dim for k, p in enumerate(current)):
-        return _UNSUPPORTED
+    if any(
+        shards_dim(p) and p.dim == dim and (k > m or isinstance(p, _StridedShard)) for k, p in enumerate(current)
+    ):
+        return _UNSUPPORTED  # a later (or strided) shard of the same dim: not a piece of the logical tensor
     before_m = tuple(current[:m]) + tuple(Replicate() for _ in range(mesh.ndim - m))
     logical, _ = compute_local_shape_and_global_offset(shape, mesh, before_m)
     n, size = int(logical[dim]), mesh.size(m)
