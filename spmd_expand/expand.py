@@ -126,9 +126,13 @@ def _uneven_shard(src: DTensorSpec, dst: DTensorSpec) -> Optional[Callable]:
         # The intermediate specs name DTensor's state only if DTensor plans this step the same way.
         if [(i.mesh_dim, i.src_dst_placements) for i in _gen_transform_infos(a, b)] != [(m, (before, after))]:
             return None
-        step = _uneven_step(src.tensor_meta.shape, mesh, info, current)
-        if step is _UNSUPPORTED:
-            return None
+        found = _gathered_or_scattered_dim(info)
+        if found is not None and any(
+            shards_dim(p) and p.dim == found[0] and (k > m or isinstance(p, _StridedShard))
+            for k, p in enumerate(current)
+        ):
+            return None  # a later (or strided) shard of the same dim: not a piece of the logical tensor
+        step = _uneven_step(src.tensor_meta.shape, mesh, m, *found, current) if found is not None else None
         uneven |= step is not None
         steps.append(step or functools.partial(redistribute_local_tensor, current_spec=a, target_spec=b))
         current = after_step
@@ -154,39 +158,30 @@ def _gathered_or_scattered_dim(info: _TransformInfo) -> Optional[tuple[int, bool
     return None
 
 
-# _uneven_step's answer for an uneven step it cannot do in one collective.
-_UNSUPPORTED = object()
-
-
-def _uneven_step(shape: Sequence[int], mesh: DeviceMesh, info: _TransformInfo, current: tuple) -> Any:
-    """One step of a plan for a tensor of global ``shape``, from placements ``current``, as one pad, one collective and one narrow,
-    when it reduce-scatters (``Partial("sum")`` -> ``Shard(d)``) or all-gathers (``Shard(d)`` ->
-    ``Replicate()``) a dim d that the mesh dim's size does not divide; None when the step is even or
-    another kind (DTensor's own step is constant-size), ``_UNSUPPORTED`` when a later mesh dim, or a
-    ``_StridedShard``, also shards d.
+def _uneven_step(
+    shape: Sequence[int], mesh: DeviceMesh, m: int, dim: int, gather: bool, current: tuple
+) -> Optional[Callable]:
+    """Mesh dim ``m``'s step of a plan for a tensor of global ``shape``, from placements ``current``,
+    as one pad, one collective and one narrow: it reduce-scatters (``Partial("sum")`` -> ``Shard(dim)``)
+    or, with ``gather``, all-gathers (``Shard(dim)`` -> ``Replicate()``) a dim the mesh dim's size does
+    not divide. None when it divides (DTensor's own step is one collective).
 
     The step runs on the logical tensor of its mesh dim: the global tensor as the mesh dims before it
-    shard it (DTensor's default left-to-right shard order). With DTensor's chunking (``torch.chunk``:
-    pieces of c = ceil(n/W), the last non-empty piece shorter, any after it empty), padding the whole
-    tensor to W*c rows and scattering gives each rank its piece padded to c rows, and the real rows of
-    a gathered padded tensor are its first n.
+    shard it (DTensor's default left-to-right shard order; no later mesh dim may shard ``dim``). With
+    DTensor's chunking (``torch.chunk``: pieces of c = ceil(n/W), the last non-empty piece shorter, any
+    after it empty), padding the whole tensor to W*c rows and scattering gives each rank its piece
+    padded to c rows, and the real rows of a gathered padded tensor are its first n.
     """
-    found = _gathered_or_scattered_dim(info)
-    if found is None:
-        return None
-    dim, gather = found
-    m = info.mesh_dim
-    if any(
-        shards_dim(p) and p.dim == dim and (k > m or isinstance(p, _StridedShard)) for k, p in enumerate(current)
-    ):
-        return _UNSUPPORTED  # a later (or strided) shard of the same dim: not a piece of the logical tensor
-    before_m = tuple(current[:m]) + tuple(Replicate() for _ in range(mesh.ndim - m))
-    logical, _ = compute_local_shape_and_global_offset(shape, mesh, before_m)
-    n, size = int(logical[dim]), mesh.size(m)
+    rest = tuple(Replicate() for _ in range(mesh.ndim - m - 1))
+
+    def size_of_dim(placements: tuple) -> int:
+        return int(compute_local_shape_and_global_offset(shape, mesh, current[:m] + placements + rest)[0][dim])
+
+    n, size = size_of_dim((Replicate(),)), mesh.size(m)
     if n % size == 0:
         return None  # DTensor's own path is one collective
+    real = size_of_dim((Shard(dim),))  # this rank's piece
     chunk = -(-n // size)
-    real = max(0, min(chunk, n - chunk * mesh.get_coordinate()[m]))  # this rank's piece
     group = (mesh, m)
 
     def rows_first(x: torch.Tensor, rows: int) -> torch.Tensor:
