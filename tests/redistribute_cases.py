@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from spmd_expand.expand import RedistributeCache
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 P, R, S0, S1 = Partial(), Replicate(), Shard(0), Shard(1)
 # (mesh shape, source placements, target placements, global shape): uneven on at least one step.
