@@ -1,9 +1,10 @@
 """HuggingFace transformers models for the model-zoo parity suite.
 
 Tiny random configs built here (no downloads): hidden 32, 2-4 heads, vocab 96, sequence 12, every
-dropout probability 0, weights seeded. One layer each (one encoder and one decoder layer for BART):
-tracing time grows with depth, and what repeats per layer is covered by the GPT cases of
-``test_parity.py``. The step is an ordinary HF training step (``model(input_ids=..., labels=...)``,
+dropout probability 0, weights seeded. One layer each (one encoder and one decoder layer for BART and
+T5; one stage of each width for ResNet): tracing time grows with depth, and what repeats per layer is
+covered by the GPT cases of ``test_parity.py``. The step is an ordinary HF training step
+(``model(input_ids=..., labels=...)``, or ``pixel_values=`` for the image classifiers ViT and ResNet;
 ``out.loss.backward()``, ``optimizer.step()``, ``optimizer.zero_grad()``, return ``out.loss``), trained
 with AdamW at lr 1e-3.
 
@@ -28,6 +29,7 @@ VOCAB = 96
 SEQ = 12
 GLOBAL_BATCH = 4
 TARGET_LEN = 8  # decoder length of the encoder-decoder models
+IMAGE, LABELS = 16, 5  # image classifiers: 16x16 RGB images, 5 classes
 
 _DECODER = dict(
     vocab_size=VOCAB,
@@ -155,6 +157,53 @@ def register_grouped_mm_sharding() -> None:
         return [([Replicate(), Replicate()], [Replicate(), Replicate(), Replicate(), Replicate()])]
 
 
+def _qwen3(attn):
+    # Per-head RMSNorm of queries and keys (q_norm / k_norm) before the rotary embedding.
+    return transformers.Qwen3Config(**_DECODER, head_dim=8, attn_implementation=attn)
+
+
+def _gemma2(attn):
+    # Attention-logit soft-capping, alternating sliding-window layers, embeddings scaled by sqrt(hidden).
+    return transformers.Gemma2Config(**_DECODER, head_dim=8, sliding_window=4, attn_implementation=attn)
+
+
+def _t5(attn):
+    # Relative position buckets (an integer-valued bias computed from the sequence length), tied head.
+    return transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, attn_implementation=attn,
+    )
+
+
+def _vit(attn):
+    return transformers.ViTConfig(
+        image_size=IMAGE, patch_size=4, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, num_labels=LABELS, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        attn_implementation=attn,
+    )
+
+
+def _resnet(attn):
+    # BatchNorm after every convolution: batch statistics over the global batch, running stats updated.
+    return transformers.ResNetConfig(
+        num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=LABELS
+    )
+
+
+def image_batch(g: torch.Generator) -> tuple:
+    """(pixel_values, labels) of an image classifier."""
+    return torch.randn(GLOBAL_BATCH, 3, IMAGE, IMAGE, generator=g), torch.randint(0, LABELS, (GLOBAL_BATCH,), generator=g)
+
+
+def image_step(model, optimizer, pixel_values, labels):
+    """The ordinary HF image-classification step (the model computes the cross-entropy)."""
+    out = model(pixel_values=pixel_values, labels=labels)
+    out.loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return out.loss
+
+
 def _bert(attn):
     return transformers.BertConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
@@ -177,6 +226,11 @@ ZOO: dict[str, Arch] = {
     "mistral": Arch(_mistral, transformers.MistralForCausalLM),
     "bert": Arch(_bert, transformers.BertForMaskedLM, masked_lm_batch),
     "bart": Arch(_bart, transformers.BartForConditionalGeneration, seq2seq_batch),
+    "qwen3": Arch(_qwen3, transformers.Qwen3ForCausalLM),
+    "gemma2": Arch(_gemma2, transformers.Gemma2ForCausalLM, attention="eager"),
+    "t5": Arch(_t5, transformers.T5ForConditionalGeneration, seq2seq_batch, attention="eager"),
+    "vit": Arch(_vit, transformers.ViTForImageClassification, image_batch, image_step),
+    "resnet": Arch(_resnet, transformers.ResNetForImageClassification, image_batch, image_step, attention="none"),
     # Variants: eager attention, a padding mask, mixtures of experts (batched, and grouped with the
     # user's sharding rule for its custom ops).
     "gpt2_eager_attention": Arch(_gpt2, transformers.GPT2LMHeadModel, attention="eager"),

@@ -21,6 +21,11 @@ from test_parity import check
 BOTH_PLANS = ["gpt2", "llama", "mistral", "bert", "bart"]
 RUNS = [(name, plan, "eager") for plan in ("ddp", "fsdp") for name in BOTH_PLANS] + [
     ("gpt2_eager_attention", "ddp", "eager"),
+    ("qwen3", "fsdp", "eager"),
+    ("gemma2", "ddp", "eager"),
+    ("t5", "ddp", "eager"),
+    ("vit", "fsdp", "eager"),
+    ("resnet", "ddp", "eager"),
     ("llama_padded", "fsdp", "eager"),
     ("mixtral", "fsdp", "eager"),
     ("mixtral_grouped_mm", "ddp", "eager"),  # with the user's register_sharding for its custom ops

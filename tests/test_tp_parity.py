@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 import tp_cases
 from spmd_expand.app.launch import run_local
@@ -24,6 +24,7 @@ TP_W2 = [
     "loss_parallel_smoothing",
     "llama",
     "llama_loss_parallel",
+    "qwen3",
 ]
 FSDP_TP_2X2 = ["llama_sgd", "loss_parallel", "prepare_input"]
 
@@ -82,6 +83,9 @@ def test_tp_world2(results, name):
             rows, vocab = tp_cases.BATCH * tp_cases.SEQ, tp_cases.llama_config().vocab_size
             assert [torch.Size(shape).numel() for shape in tp_gathers(r)] == [rows * vocab]
             assert not reads_logits_sharded(r)
+    elif name == "qwen3":
+        assert r["placements"]["model.layers.0.self_attn.q_proj.weight"] == (Shard(0),)
+        assert r["placements"]["model.layers.0.self_attn.q_norm.weight"] == (Replicate(),)
     elif name in ("loss_parallel", "loss_parallel_sum"):
         assert tp_gathers(r) == [] and reads_logits_sharded(r)
     elif name in ("loss_parallel_weighted", "loss_parallel_smoothing"):

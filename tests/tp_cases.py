@@ -217,6 +217,23 @@ def build_llama():
         return LlamaForCausalLM(llama_config())
 
 
+def build_qwen3():
+    """Llama's shapes with Qwen3's per-head RMSNorm of queries and keys (``q_norm``/``k_norm``): under
+    transformers' TP plan they normalize the heads of this rank's colwise ``q_proj``/``k_proj`` shards."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**{k: v for k, v in llama_config().to_dict().items() if k in _QWEN3_KEYS}, head_dim=8)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return Qwen3ForCausalLM(config)
+
+
+_QWEN3_KEYS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "max_position_embeddings", "attention_dropout",
+)
+
+
 def llama_step(model, optimizer, idx, labels):
     loss = model(input_ids=idx, labels=labels).loss
     loss.backward()
@@ -260,6 +277,7 @@ TP_CASES: dict[str, TPCase] = {
     "loss_parallel_weighted": TPCase(build_tiny_lm, lambda m: spmd.TensorParallel(VOCAB_PARALLEL), loss_parallel_weighted_step, tokens_with_ignored, "sgd"),
     "loss_parallel_smoothing": TPCase(build_tiny_lm, lambda m: spmd.TensorParallel(VOCAB_PARALLEL), loss_parallel_smoothing_step, tokens, "sgd"),
     "llama": TPCase(build_llama, spmd.TensorParallel.from_huggingface, llama_step, llama_tokens),
+    "qwen3": TPCase(build_qwen3, spmd.TensorParallel.from_huggingface, llama_step, llama_tokens),
     # For the 2x2 mesh: one compilation per rank instead of two (AdamW under FSDP+TP: test_parity.py).
     "llama_sgd": TPCase(build_llama, spmd.TensorParallel.from_huggingface, llama_step, llama_tokens, "sgd"),
     "llama_loss_parallel": TPCase(
