@@ -37,6 +37,12 @@
   size came from a sharded batch dim; when one did, the output is sharded the same way instead of being
   materialized at global size and split afterwards.
 
+* ``fill`` (``fill_.Scalar``, ``fill_.Tensor`` (``t[..., 0] = value``) and their functional forms): the
+  tensor keeps its ``Shard`` or ``Replicate`` placement, a 0-d value tensor is replicated; a
+  ``Partial`` tensor stays partial only when filled with a literal 0 (DTensor's own rule kept it
+  partial for any value: W times the value after the reduction). Registered with DTensor's
+  ``register_sharding``, replacing DTensor's rule.
+
 * Pooling backward ops DTensor lacks (``avg_pool2d_backward``, ``adaptive_max_pool2d_backward``, the
   3-D ones, ...): split on the batch or channel dim, or replicated, like every operand
   (registered with DTensor's ``register_sharding``, so DTensor itself places them).
@@ -524,6 +530,25 @@ def _pool_backward_sharding(grad_output, input, *args):
         others = [placement if is_tensor else None for is_tensor in tensor_args]
         strategies.append(([placement], [placement, placement, *others]))
     return strategies
+
+
+# ``fill`` (``t.fill_(v)``, and ``t[..., 0] = v``, which runs ``fill_.Tensor`` with ``v`` as a 0-d
+# tensor: HuggingFace T5's ``_shift_right`` does this to the labels). Every element becomes ``v``:
+# ``t`` keeps a ``Shard`` or ``Replicate`` placement. A ``Partial(sum)`` tensor stays partial only when
+# ``v`` is a literal 0 (W ranks' zeros sum to 0); filled with anything else it would sum to W times
+# ``v``, which DTensor's own rule for ``fill_.Scalar`` (torch 2.13) returns, so this replaces it: the
+# tensor is reduced first, or, in place, DTensor refuses the fill with its own error. DTensor had no
+# rule for ``fill_.Tensor`` (eager DTensors failed, and Dynamo broke the graph there).
+_FILL = [aten.fill_.Scalar, aten.fill.Scalar, aten.fill_.Tensor, aten.fill.Tensor]
+
+
+@register_sharding(_FILL)
+def _fill_sharding(self, value):
+    value_placement = Replicate() if isinstance(value, DTensorSpec) or hasattr(value, "shape") else None
+    placements = [Replicate(), *(Shard(d) for d in range(len(self.shape)))]
+    if value_placement is None and not isinstance(value, bool) and value == 0:
+        placements.append(Partial())
+    return [([p], [p, value_placement]) for p in placements]
 
 
 def lookup(target: Any) -> Optional[Callable]:

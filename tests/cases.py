@@ -88,6 +88,23 @@ class LogSoftmaxModel(nn.Module):
         return F.log_softmax(x @ self.w, dim=-1)
 
 
+class FillPartialModel(nn.Module):
+    """A sum over the batch (``Partial`` under data parallelism) filled with a constant.
+
+    The fill replaces the partial sums: every rank's copy holds 1, and summed over W ranks the value
+    would be W (DTensor's own rule for ``fill`` kept the tensor partial).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        out = self.fc(x)
+        ones = out.sum(0).fill_(1.0)
+        return out * ones
+
+
 class NllLossModel(nn.Module):
     def __init__(self):
         super().__init__()
@@ -275,6 +292,7 @@ CASES: dict[str, Case] = {
     "nll_loss": Case(NllLossModel, "sgd_momentum", _xy, nll_step),
     "embedding_layer_norm": Case(EmbeddingLayerNorm, "adam_foreach", lambda g: (torch.randint(0, 32, (GLOBAL_BATCH, 6), generator=g), torch.randint(0, 4, (GLOBAL_BATCH,), generator=g)), cross_entropy_step),
     "full": Case(FullModel, "sgd", _xy, cross_entropy_step),
+    "fill_partial": Case(FillPartialModel, "sgd", _xy, cross_entropy_step),
     "arange": Case(ArangeModel, "sgd", _xy, cross_entropy_step),
     "sym_numel": Case(NumelModel, "sgd", _x, _scalar_step),
     "stride": Case(StrideModel, "sgd", _x, _scalar_step),

@@ -96,12 +96,31 @@ def _llama_loss(model, idx, labels):
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
+def _t5():
+    import hf_zoo
+
+    return hf_zoo.ZOO["t5"].build()
+
+
+def _t5_batch(g):
+    import hf_zoo
+
+    return hf_zoo.seq2seq_batch(g)
+
+
+def _t5_loss(model, ids, labels):
+    # T5 builds its decoder inputs from the labels (``_shift_right``: ``t[..., 0] = start``, a fill of
+    # a batch-sharded DTensor) and computes the loss inside forward.
+    return model(input_ids=ids, labels=labels).loss
+
+
 LOOPS = {
     "gpt": Loop(lambda: build_gpt(GPT_CONFIG, seed=0), _tokens, _lm_loss, GPT_TP),
     "gpt_loss_inside": Loop(lambda: build_gpt(GPT_CONFIG, seed=0), _tokens, _lm_loss_inside, GPT_TP),
     "graph_break": Loop(lambda: torch.manual_seed(0) and BreakMLP(), _xy, _ce),
     "graph_break_accumulate": Loop(lambda: torch.manual_seed(0) and BreakMLP(), _xy, _two_shapes_accumulated),
     "llama": Loop(_llama, _llama_tokens, _llama_loss, lambda m: spmd.TensorParallel.from_huggingface(m).plan),
+    "t5": Loop(_t5, _t5_batch, _t5_loss),
 }
 
 

@@ -33,6 +33,7 @@ RUNS_W2 = [
     ("llama", "ddp", "eager"),
     ("llama", "fsdp", "eager"),
     ("llama", "tp", "eager"),
+    ("t5", "fsdp", "eager"),
 ]
 RUNS_W4 = [("gpt", "fsdp+tp", "eager"), ("llama", "fsdp+tp", "eager")]
 
@@ -72,6 +73,26 @@ def test_parity_world2(results_w2, run):
 def test_graph_break_compiles_several_graphs(results_w2):
     # Hooks, the forward before the break and after it: more graphs than the model without a break.
     assert results_w2[0][("graph_break", "fsdp", "eager")]["compilations"] > results_w2[0][("gpt", "fsdp", "eager")]["compilations"]
+
+
+def test_filling_a_sharded_batch_tensor_is_one_graph(results_w2):
+    """T5's ``labels[..., 0] = start`` (``fill_.Tensor`` on a DTensor) compiles, not a graph break."""
+    assert results_w2[0][("t5", "fsdp", "eager")]["compilations"] == 1
+
+
+def test_fill_of_a_dtensor_keeps_its_placement(fake_mesh):
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    t = DTensor.from_local(torch.arange(8.0).view(2, 4), fake_mesh, [Shard(0)])
+    t[..., 0] = 3  # fill_.Tensor on the column's view
+    assert t.placements == (Shard(0),) and t.to_local()[:, 0].tolist() == [3.0, 3.0]
+    r = DTensor.from_local(torch.zeros(4), fake_mesh, [Replicate()])
+    r.fill_(torch.tensor(2.0))
+    assert r.to_local().tolist() == [2.0] * 4
+    # A partial tensor filled would sum to W times the value: refused, not computed.
+    p = DTensor.from_local(torch.zeros(4), fake_mesh, [Partial()])
+    with pytest.raises(Exception):
+        p.fill_(torch.tensor(2.0))
 
 
 @pytest.mark.parametrize("run", RUNS_W4, ids=lambda r: "-".join(r))
