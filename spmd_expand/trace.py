@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
@@ -296,8 +297,9 @@ _METADATA_READS = frozenset(
 )
 
 
-# ``self + value * t1 (/ or *) t2`` ops given their ``value`` as a tensor, which the optimizers'
-# traceable default path does (Adam's ``step_size`` under ``torch.compiler.is_compiling()``). Traced
+# ``self + value * t1 (/ or *) t2`` ops given their ``value`` as a tensor (or, foreach, a list of 0-d
+# tensors), which the optimizers' traceable default path does (Adam's ``step_size``, Adamax's per-parameter
+# step sizes under ``torch.compiler.is_compiling()``). Traced
 # as is, a fake tensor's data would be read as the Python number (single-tensor ``addcdiv_``), or the
 # fake kernel rejects it (foreach: "Expected scalars to be on CPU, got meta"). They are decomposed in
 # the eager CPU kernel's order, ``self + ((value * t1) op t2)``, which rounds the same.
@@ -316,12 +318,14 @@ def _decompose_tensor_value(func: Callable, args: tuple, kwargs: dict) -> Option
         return None
     self_, tensor1, tensor2, *rest = args
     value = rest[0] if rest else kwargs.get("value")
-    if not isinstance(value, torch.Tensor):
+    # Adamax's default path passes one 0-d tensor per parameter (a list, which no overload takes).
+    per_tensor = isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, torch.Tensor) for v in value)
+    if not isinstance(value, torch.Tensor) and not per_tensor:
         return None
     if func in (torch._foreach_addcdiv_, torch._foreach_addcmul_):
 
         def foreach() -> None:
-            values = torch._foreach_mul(list(tensor1), list(value.unbind(0)))
+            values = torch._foreach_mul(list(tensor1), list(value) if per_tensor else list(value.unbind(0)))
             op(values, list(tensor2))
             torch._foreach_add_(self_, values)
 
@@ -737,13 +741,19 @@ def trace_step(
         raise
     except Exception as e:  # noqa: BLE001 - every tracing failure becomes one clear error
         kind = type(e).__name__
-        hint = (
-            "the step branches on tensor values (data-dependent control flow); compute the branch "
-            "with torch.where or move it out of the step"
-            if "DataDependent" in kind or "data-dependent" in str(e).lower() or "GuardOnDataDependent" in kind
-            else "make sure the step runs eagerly on one device first; see the chained exception"
-        )
-        raise TraceError(f"could not trace the train step: {kind}: {str(e).splitlines()[0] if str(e) else ''}\n  fix: {hint}") from e
+        data_dependent = "DataDependent" in kind or "data-dependent" in str(e).lower()
+        if optimizer is not None and _raised_in_optimizer(e):
+            where = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}.step()"
+            hint = _optimizer_hint(optimizer, data_dependent)
+        else:
+            where = "the train step"
+            hint = (
+                "the step branches on tensor values (data-dependent control flow); compute the branch "
+                "with torch.where or move it out of the step"
+                if data_dependent
+                else "make sure the step runs eagerly on one device first; see the chained exception"
+            )
+        raise TraceError(f"could not trace {where}: {kind}: {str(e).splitlines()[0] if str(e) else ''}\n  fix: {hint}") from e
 
     _refuse_host_reads(functional)
     functional.graph.eliminate_dead_code()
@@ -762,6 +772,36 @@ def trace_step(
         hyperparameters,
         _hyperparameter_guards(shape_env, symbols, hyperparameters),
     )
+
+
+def _raised_in_optimizer(e: BaseException) -> bool:
+    """Whether ``e`` was raised while code of ``torch.optim`` ran: below its innermost frame only
+    torch's and spmd_expand's own frames (tracing hooks), none of the user's."""
+    files = [f.filename.replace("\\", "/") for f in traceback.extract_tb(e.__traceback__)]
+    optim = [i for i, f in enumerate(files) if "/torch/optim/" in f]
+    return bool(optim) and all("/torch/" in f or "/spmd_expand/" in f for f in files[optim[-1]:])
+
+
+def _optimizer_hint(optimizer: torch.optim.Optimizer, data_dependent: bool) -> str:
+    """The fix for an optimizer whose code path cannot be traced (torch 2.13's optimizers: RAdam's and
+    ASGD's default paths branch on their step and ``mu`` values; Adamax's foreach path passes a list
+    of tensors where its fused op takes numbers)."""
+    name = type(optimizer).__name__
+    groups = optimizer.param_groups
+    if data_dependent:
+        capturable = (
+            "construct it with capturable=True (its branch-free path, for parameters on CUDA/XPU/HPU), or "
+            if "capturable" in optimizer.defaults
+            else ""
+        )
+        return (
+            f"{name}'s default code path branches on the value of an optimizer state (e.g. its step count), "
+            f"which one compiled graph cannot do for every step; {capturable}use an optimizer whose default "
+            f"path has no such branch (SGD, Adam, AdamW, Adagrad, RMSprop, NAdam, Rprop, Adamax with foreach=False)"
+        )
+    if any(g.get("foreach") for g in groups) or not any(g.get("foreach") is False for g in groups):
+        return f"construct {name} with foreach=False (its single-tensor path traces); see the chained exception"
+    return "see the chained exception; the optimizer's step must run eagerly on one device first"
 
 
 def _refuse_recomputed_draws(gm: fx.GraphModule) -> None:

@@ -72,6 +72,10 @@ OPTIMIZERS: dict[str, Callable] = {
     "adam_fused": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
     "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
     "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    # Rprop's update writes its states with _foreach_copy_ (a rule of spmd_expand.rules); Adamax's
+    # single-tensor path (its foreach path is refused with that fix).
+    "rprop_foreach": lambda ps: torch.optim.Rprop(ps, lr=1e-3, foreach=True),
+    "adamax": lambda ps: torch.optim.Adamax(ps, lr=1e-3, foreach=False),
     # Transformers train at lr <= 1e-3; early Adam steps move each element by about lr * sign(grad),
     # so at 1e-2 rounding in near-zero gradients alone can exceed atol=1e-5.
     "adamw_gpt": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, foreach=True),

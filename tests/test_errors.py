@@ -155,6 +155,29 @@ def test_data_dependent_control_flow(fake_mesh):
     assert "torch.where" in msg, msg
 
 
+@pytest.mark.parametrize(
+    "make, fix",
+    [
+        # RAdam's and ASGD's default paths branch on their step count / mu; Adafactor has no other path.
+        (lambda ps: torch.optim.RAdam(ps, lr=1e-3), "capturable=True"),
+        (lambda ps: torch.optim.ASGD(ps, lr=1e-2, foreach=True), "capturable=True"),
+        (lambda ps: torch.optim.Adafactor(ps, lr=1e-2), "use an optimizer whose default path"),
+        # Adamax's foreach path hands _foreach_addcdiv_ a list of tensors (no overload takes one).
+        (lambda ps: torch.optim.Adamax(ps, lr=1e-3, foreach=True), "foreach=False"),
+    ],
+    ids=["radam", "asgd", "adafactor", "adamax_foreach"],
+)
+def test_untraceable_optimizer_path_names_the_optimizer_and_the_fix(fake_mesh, make, fix):
+    model = MLP()
+    optimizer = make(model.parameters())
+    with pytest.raises(spmd.TraceError) as info:
+        ddp(fake_mesh)(model, optimizer, torch.randn(4, 16))
+    msg = str(info.value)
+    assert f"{type(optimizer).__name__}.step()" in msg and fix in msg, msg
+    if fix == "capturable=True":
+        assert "Adafactor" not in msg
+
+
 def test_returning_python_number_is_a_trace_error(fake_mesh):
     def step(model, optimizer, x):
         loss = model(x).pow(2).mean()

@@ -25,6 +25,7 @@ FSDP_W2 = [
     "mlp_adamw_foreach",
     "mlp_adam_fused",
     "mlp_adamw_fused",
+    "mlp_rprop_foreach",
     "mlp_uneven",
     "mlp_microbatch",
     "gpt_adamw",
