@@ -24,8 +24,8 @@
   plans that redistribution) and every piece comes out ``Shard(dim)``, so each micro-batch stays
   data-parallel and equals the single-device micro-batch exactly.
 * ``_assert_async`` (``F.one_hot``'s range check): each rank asserts its part (see ``assert_rule``).
-* ``_foreach_copy`` (functional ``_foreach_copy_``, which DTensor has no rule for: Rprop's and ASGD's
-  state updates): element i follows ``self[i]``'s placement (see ``foreach_copy_rule``).
+* ``_foreach_copy_`` and ``_foreach_copy`` (Rprop's and ASGD's state writes; eager DTensors failed on
+  them too): DTensor's own strategy of ``copy_``, element by element, registered for them.
 * ``lift_fresh_copy``: constants built inside the step (``torch.tensor([...])`` in a forward, as
   HuggingFace models do) are replicated values; DTensor has no rule for the copy.
 * ``_log_softmax``, ``nll_loss_forward`` / ``nll_loss2d_forward`` and their backward ops, for a
@@ -396,31 +396,6 @@ def _fused_optimizer_rule(num_lists: int):
     return rule
 
 
-def foreach_copy_rule(node: fx.Node, prop):
-    """``_foreach_copy(self, src)`` (functional ``_foreach_copy_``: Rprop's and ASGD's optimizer states).
-
-    Element i takes ``self[i]``'s placement, ``src[i]`` redistributed to it (``self[i]``'s values are
-    not read, so it is never redistributed); where ``self[i]`` is partial, ``src[i]``'s placement
-    (a copy of a partial value stays that value); where the shapes differ (``src`` broadcast),
-    replicated.
-    """
-    selfs, srcs = node.args[0], node.args[1]
-    wanted_src, outputs = [], []
-    for s, x in zip(selfs, srcs):
-        s_spec, x_spec = prop.output_of(s), prop.output_of(x)
-        if tuple(s_spec.tensor_meta.shape) != tuple(x_spec.tensor_meta.shape):
-            placements = tuple(Replicate() for _ in range(prop.mesh.ndim))
-        elif any(p.is_partial() for p in s_spec.placements):
-            placements = x_spec.placements
-        else:
-            placements = s_spec.placements
-        wanted_src.append(spec_with_meta(prop.mesh, placements, x_spec.tensor_meta))
-        outputs.append(spec_with_meta(prop.mesh, placements, s_spec.tensor_meta))
-    others = [prop.output_of(a) if isinstance(a, fx.Node) else None for a in node.args[2:]]
-    others += [prop.output_of(v) for v in node.kwargs.values() if isinstance(v, fx.Node)]
-    return NodeSharding(inputs=(*(prop.output_of(s) for s in selfs), *wanted_src, *others), output=outputs)
-
-
 def random_rule(node: fx.Node, prop):
     """Placements of a random op, expanded as a global draw (see :mod:`spmd_expand.rng`).
 
@@ -477,6 +452,8 @@ def random_rule(node: fx.Node, prop):
 def _register_dtensor_strategies() -> None:
     from torch.distributed.tensor import DTensor
 
+    from torch.distributed.tensor._ops import _pointwise_ops
+
     prop = DTensor._op_dispatcher.sharding_propagator
     for op, outputs in (
         (aten._scaled_dot_product_flash_attention_for_cpu.default, 2),
@@ -484,6 +461,11 @@ def _register_dtensor_strategies() -> None:
     ):
         if op not in prop.op_strategy_funcs:
             prop.register_op_strategy(op, _attention_strategy(outputs))
+    # copy_'s strategy (self and src alike; any partial kept) for the foreach copies, which torch 2.13
+    # registers nothing for, in DTensor's own way (a list op's strategy applies element by element).
+    for op in (aten._foreach_copy_.default, aten._foreach_copy.default):
+        if op not in prop.op_single_dim_strategy_funcs and op not in prop.op_strategy_funcs:
+            _pointwise_ops._register_single_dim_pointwise(op, _pointwise_ops._ALL_PARTIAL_BINARY_PRESERVING_RULES)
 
 
 def _register_functional_twins() -> None:
@@ -522,7 +504,6 @@ _RULES: dict[Any, Callable] = {
     aten._fused_adamw.tensor_lr: _fused_optimizer_rule(5),
     aten._fused_sgd.tensor_lr: _fused_optimizer_rule(3),
     aten.lift_fresh_copy.default: constant_rule,
-    aten._foreach_copy.default: foreach_copy_rule,
     aten._scaled_dot_product_flash_attention_for_cpu.default: attention_rule,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: attention_rule,
 }
