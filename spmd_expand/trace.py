@@ -297,9 +297,8 @@ _METADATA_READS = frozenset(
 )
 
 
-# ``self + value * t1 (/ or *) t2`` ops given their ``value`` as a tensor (or, foreach, a list of 0-d
-# tensors), which the optimizers' traceable default path does (Adam's ``step_size``, Adamax's per-parameter
-# step sizes under ``torch.compiler.is_compiling()``). Traced
+# ``self + value * t1 (/ or *) t2`` ops given their ``value`` as a tensor, which the optimizers'
+# traceable default path does (Adam's ``step_size`` under ``torch.compiler.is_compiling()``). Traced
 # as is, a fake tensor's data would be read as the Python number (single-tensor ``addcdiv_``), or the
 # fake kernel rejects it (foreach: "Expected scalars to be on CPU, got meta"). They are decomposed in
 # the eager CPU kernel's order, ``self + ((value * t1) op t2)``, which rounds the same.
@@ -318,14 +317,12 @@ def _decompose_tensor_value(func: Callable, args: tuple, kwargs: dict) -> Option
         return None
     self_, tensor1, tensor2, *rest = args
     value = rest[0] if rest else kwargs.get("value")
-    # Adamax's default path passes one 0-d tensor per parameter (a list, which no overload takes).
-    per_tensor = isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, torch.Tensor) for v in value)
-    if not isinstance(value, torch.Tensor) and not per_tensor:
+    if not isinstance(value, torch.Tensor):
         return None
     if func in (torch._foreach_addcdiv_, torch._foreach_addcmul_):
 
         def foreach() -> None:
-            values = torch._foreach_mul(list(tensor1), list(value) if per_tensor else list(value.unbind(0)))
+            values = torch._foreach_mul(list(tensor1), list(value.unbind(0)))
             op(values, list(tensor2))
             torch._foreach_add_(self_, values)
 
