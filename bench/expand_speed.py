@@ -7,6 +7,9 @@ For L in (4, 8, 16, 32) layers, on torch's fake process group of world size 8 (n
   passes (bucketing, overlap). Reported per stage (``trace_s``, ``propagate_s``, ``expand_s``,
   ``passes_s``: global and local passes and the rank check), propagate + expand together
   (``propagate_expand_s``, what earlier runs called ``expand_s``), and end to end (``total_s``).
+  For ``--lower-layers`` (default 4 and 8: Inductor takes minutes at 32 layers) the local graph is
+  also lowered with Inductor once, with its FX graph cache off (a cold compile): ``lower_s``, and
+  ``total_with_lower_s`` = ``total_s`` + ``lower_s``.
 * baseline: ``make_fx`` of the same step on DTensor-wrapped local tensors (``DTensor.from_local``),
   which records the local graph by running DTensor's dispatch (propagation + redistribution) op by op.
 
@@ -41,11 +44,11 @@ WORLD = 8
 BATCH, BLOCK = 16, 32
 
 
-def ours(layers: int, mesh) -> dict:
+def ours(layers: int, mesh, lower: str = "eager") -> dict:
     model = build_gpt(GPTConfig(vocab_size=64, block_size=BLOCK, n_layer=layers, n_head=4, n_embd=64))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     idx = torch.randint(0, 64, (BATCH // WORLD, BLOCK))
-    compiled = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(step)
+    compiled = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower=lower)(step)
     # Warm-up call: creates the optimizer state, so the measured compile is the steady-state graph.
     compiled(model, optimizer, idx, idx)
     compiled.cache.clear()
@@ -54,6 +57,8 @@ def ours(layers: int, mesh) -> dict:
     compiled(model, optimizer, idx, idx)
     s = compiled.last.seconds
     passes = s["global_passes"] + s["rank_check"] + s["local_passes"]
+    if lower == "inductor":
+        return {"lower_s": s["lower"]}
     return {
         "global_nodes": len(compiled.last.traced.graph_module.graph.nodes),
         "local_nodes": len(compiled.last.local_graph.graph.nodes),
@@ -101,6 +106,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16, 32])
     parser.add_argument("--repeats", type=int, default=3, help="best of N for each measurement")
+    parser.add_argument(
+        "--lower-layers", type=int, nargs="*", default=[4, 8],
+        help="layer counts whose local graph is also lowered with Inductor (cold: no FX graph cache), once",
+    )
     args = parser.parse_args()
     dist.init_process_group("fake", rank=0, world_size=WORLD, store=FakeStore())
     mesh = init_device_mesh("cpu", (WORLD,))
@@ -109,6 +118,10 @@ def main() -> None:
         runs = [ours(layers, mesh) for _ in range(args.repeats)]
         # Best of N for each measure on its own (a slow trace must not hide a fast expansion).
         mine = {k: min(r[k] for r in runs) for k in runs[0]}
+        if layers in args.lower_layers:
+            with torch._inductor.config.patch(fx_graph_cache=False):
+                mine.update(ours(layers, mesh, lower="inductor"))
+            mine["total_with_lower_s"] = mine["total_s"] + mine["lower_s"]
         base = min((baseline(layers, mesh) for _ in range(args.repeats)), key=lambda r: r["total_s"])
         rows.append(
             {
