@@ -45,6 +45,9 @@
   partial for any value: W times the value after the reduction). Registered with DTensor's
   ``register_sharding``, replacing DTensor's rule.
 
+* ``_weight_norm_interface_backward`` (``weight_norm``'s backward): replicated, partial in the incoming
+  gradient (it is linear in it), or split along the normalized dim (registered with DTensor).
+
 * Pooling backward ops DTensor lacks (``avg_pool2d_backward``, ``adaptive_max_pool2d_backward``, the
   3-D ones, ...): split on the batch or channel dim, or replicated, like every operand
   (registered with DTensor's ``register_sharding``, so DTensor itself places them).
@@ -558,6 +561,24 @@ def _fill_sharding(self, value):
     if value_placement is None and not isinstance(value, bool) and value == 0:
         placements.append(Partial())
     return [([p], [p, value_placement]) for p in placements]
+
+
+# ``_weight_norm_interface_backward(grad_w, v, g, norms, dim)`` -> ``(grad_v, grad_g)``, the backward of
+# ``torch.nn.utils.parametrizations.weight_norm`` (its forward DTensor places through torch's
+# decomposition; the backward has neither a strategy nor a decomposition in torch 2.13). Linear in
+# ``grad_w``: a partial ``grad_w`` (data-parallel gradient before its reduction) with the rest
+# replicated gives partial gradients; every slice along ``dim`` is normalized alone, so everything may
+# be split along ``dim`` (not when ``dim`` is -1: one norm over the whole tensor); or all replicated.
+@register_sharding(aten._weight_norm_interface_backward.default)
+def _weight_norm_backward_sharding(grad_w, v, g, norms, dim):
+    strategies = [
+        ([Replicate(), Replicate()], [Replicate(), Replicate(), Replicate(), Replicate(), None]),
+        ([Partial(), Partial()], [Partial(), Replicate(), Replicate(), Replicate(), None]),
+    ]
+    if dim != -1:
+        d = dim % len(v.shape)
+        strategies.append(([Shard(d), Shard(d)], [Shard(d), Shard(d), Shard(d), Shard(d), None]))
+    return strategies
 
 
 def lookup(target: Any) -> Optional[Callable]:

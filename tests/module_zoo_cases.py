@@ -114,6 +114,29 @@ class _EmbeddingBag(nn.Module):
         return self.out(self.bag(x))
 
 
+class _WeightNormConv(nn.Module):
+    """``weight_norm`` on a convolution (audio vocoders, wav2vec2's positional conv) and
+    ``spectral_norm`` on a linear layer (GAN discriminators), both as parametrizations."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(3, 6, 3, padding=1))
+        self.out = nn.utils.parametrizations.spectral_norm(nn.Linear(6, CLASSES))
+
+    def forward(self, x):
+        return self.out(F.gelu(self.conv(x)).mean(-1))
+
+
+class _EmbeddingMaxNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8, max_norm=1.0)
+        self.out = nn.Linear(8, CLASSES)
+
+    def forward(self, x):
+        return self.out(self.emb(x).mean(1))
+
+
 def _images(g):
     return torch.randn(B, 3, 8, 8, generator=g)
 
@@ -134,11 +157,14 @@ MODELS = {
     "transformer_encoder": (_Encoder, _sequences),
     "transformer": (_Transformer, _sequences),
     "gru": (lambda: _Recurrent(nn.GRU), lambda g: torch.randn(B, 5, 3, generator=g)),
+    "weight_norm_spectral_norm": (_WeightNormConv, lambda g: torch.randn(B, 3, 16, generator=g)),
 }
 REFUSED = {
     "embedding_bag": ((_EmbeddingBag, lambda g: torch.randint(0, 20, (B, 6), generator=g)), "_embedding_bag"),
     "lstm": ((lambda: _Recurrent(nn.LSTM), lambda g: torch.randn(B, 5, 3, generator=g)), "mkldnn_rnn_layer"),
     "bilinear": ((lambda: nn.Bilinear(6, 6, CLASSES), None), "_trilinear"),
+    # max_norm renormalizes the looked-up rows of the weight in place during forward.
+    "embedding_max_norm": ((_EmbeddingMaxNorm, lambda g: torch.randint(0, 20, (B, 6), generator=g)), "embedding_renorm"),
 }
 
 
