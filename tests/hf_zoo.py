@@ -4,7 +4,8 @@ Tiny random configs built here (no downloads): hidden 32, 2-4 heads, vocab 96, s
 dropout probability 0, weights seeded. One layer each (one encoder and one decoder layer for BART and
 T5; one stage of each width for ResNet): tracing time grows with depth, and what repeats per layer is
 covered by the GPT cases of ``test_parity.py``. The step is an ordinary HF training step
-(``model(input_ids=..., labels=...)``, or ``pixel_values=`` for the image classifiers ViT and ResNet;
+(``model(input_ids=..., labels=...)``, or ``pixel_values=`` for the image classifiers ViT and ResNet,
+``input_values=`` for the audio classifier wav2vec2;
 ``out.loss.backward()``, ``optimizer.step()``, ``optimizer.zero_grad()``, return ``out.loss``), trained
 with AdamW at lr 1e-3.
 
@@ -190,6 +191,29 @@ def _resnet(attn):
     )
 
 
+def _wav2vec2(attn):
+    # A convolutional feature encoder (GroupNorm) and a weight_norm'ed positional convolution.
+    return transformers.Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+        num_labels=LABELS, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
+        layerdrop=0.0, mask_time_prob=0.0, final_dropout=0.0, classifier_proj_size=8, attn_implementation=attn,
+    )
+
+
+def audio_batch(g: torch.Generator) -> tuple:
+    """(input_values, labels) of an audio classifier: 400 raw samples per clip."""
+    return torch.randn(GLOBAL_BATCH, 400, generator=g), torch.randint(0, LABELS, (GLOBAL_BATCH,), generator=g)
+
+
+def audio_step(model, optimizer, input_values, labels):
+    out = model(input_values=input_values, labels=labels)
+    out.loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return out.loss
+
+
 def image_batch(g: torch.Generator) -> tuple:
     """(pixel_values, labels) of an image classifier."""
     return torch.randn(GLOBAL_BATCH, 3, IMAGE, IMAGE, generator=g), torch.randint(0, LABELS, (GLOBAL_BATCH,), generator=g)
@@ -230,6 +254,7 @@ ZOO: dict[str, Arch] = {
     "gemma2": Arch(_gemma2, transformers.Gemma2ForCausalLM, attention="eager"),
     "t5": Arch(_t5, transformers.T5ForConditionalGeneration, seq2seq_batch, attention="eager"),
     "vit": Arch(_vit, transformers.ViTForImageClassification, image_batch, image_step),
+    "wav2vec2": Arch(_wav2vec2, transformers.Wav2Vec2ForSequenceClassification, audio_batch, audio_step),
     "resnet": Arch(_resnet, transformers.ResNetForImageClassification, image_batch, image_step, attention="none"),
     # Variants: eager attention, a padding mask, mixtures of experts (batched, and grouped with the
     # user's sharding rule for its custom ops).

@@ -26,6 +26,7 @@ RUNS = [(name, plan, "eager") for plan in ("ddp", "fsdp") for name in BOTH_PLANS
     ("t5", "ddp", "eager"),
     ("vit", "fsdp", "eager"),
     ("resnet", "ddp", "eager"),
+    ("wav2vec2", "fsdp", "eager"),
     ("llama_padded", "fsdp", "eager"),
     ("mixtral", "fsdp", "eager"),
     ("mixtral_grouped_mm", "ddp", "eager"),  # with the user's register_sharding for its custom ops
