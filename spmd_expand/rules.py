@@ -454,7 +454,6 @@ def random_rule(node: fx.Node, prop):
 
 def _register_dtensor_strategies() -> None:
     from torch.distributed.tensor import DTensor
-
     from torch.distributed.tensor._ops import _pointwise_ops
 
     prop = DTensor._op_dispatcher.sharding_propagator

@@ -796,8 +796,11 @@ def _optimizer_hint(optimizer: torch.optim.Optimizer, data_dependent: bool) -> s
             f"which one compiled graph cannot do for every step; {capturable}use an optimizer whose default "
             f"path has no such branch (SGD, Adam, AdamW, Adagrad, RMSprop, NAdam, Rprop, Adamax with foreach=False)"
         )
-    if any(g.get("foreach") for g in groups) or not any(g.get("foreach") is False for g in groups):
-        return f"construct {name} with foreach=False (its single-tensor path traces); see the chained exception"
+    if any(g.get("foreach") is not False for g in groups):
+        return (
+            f"if {name} ran its foreach path (foreach=True, the default on CUDA), construct it with "
+            f"foreach=False (its single-tensor path); see the chained exception"
+        )
     return "see the chained exception; the optimizer's step must run eagerly on one device first"
 
 
