@@ -48,6 +48,9 @@
 * ``_weight_norm_interface_backward`` (``weight_norm``'s backward): replicated, partial in the incoming
   gradient (it is linear in it), or split along the normalized dim (registered with DTensor).
 
+* ``embedding_renorm_`` / ``embedding_renorm`` (rows of an embedding rescaled to ``max_norm``, called on
+  the parameter): weight and indices replicated (registered with DTensor).
+
 * Pooling backward ops DTensor lacks (``avg_pool2d_backward``, ``adaptive_max_pool2d_backward``, the
   3-D ones, ...): split on the batch or channel dim, or replicated, like every operand
   (registered with DTensor's ``register_sharding``, so DTensor itself places them).
@@ -578,6 +581,17 @@ def _weight_norm_backward_sharding(grad_w, v, g, norms, dim):
         d = dim % len(v.shape)
         strategies.append(([Shard(d), Shard(d)], [Shard(d), Shard(d), Shard(d), Shard(d), None]))
     return strategies
+
+
+# ``embedding_renorm_(weight, indices, max_norm, norm_type)``: rescales, in place, the rows of the
+# weight that ``indices`` name. The rows are picked by global indices, so the weight and the indices
+# are both replicated: every rank renorms every row the global batch reads, as one device does (a
+# sharded weight is gathered for it and written back to its shards). Called on the parameter itself;
+# ``nn.Embedding(max_norm=...)``, which calls it on the value F.embedding is handed, is refused by
+# ``trace._refuse_writes_to_parameter_reads``.
+@register_sharding([aten.embedding_renorm_.default, aten.embedding_renorm.default])
+def _embedding_renorm_sharding(weight, indices, max_norm, norm_type):
+    return [([Replicate()], [Replicate(), Replicate(), None, None])]
 
 
 def lookup(target: Any) -> Optional[Callable]:

@@ -723,6 +723,7 @@ def trace_step(
             with fx_traceback.preserve_node_meta(), MarkLossParallel(), torch.compiler._non_strict_tracing_context():
                 autograd_graph = make_fx(step, tracing_mode="symbolic", record_stack_traces=True)(*fakes, *sym_values)
             _refuse_recomputed_draws(autograd_graph)
+            _refuse_writes_to_parameter_reads(autograd_graph)
             detached = [t.detach() for t in fakes]
 
             def replay(*flat: Any) -> list[torch.Tensor]:
@@ -802,6 +803,46 @@ def _optimizer_hint(optimizer: torch.optim.Optimizer, data_dependent: bool) -> s
             f"foreach=False (its single-tensor path); see the chained exception"
         )
     return "see the chained exception; the optimizer's step must run eagerly on one device first"
+
+
+def _refuse_writes_to_parameter_reads(gm: fx.GraphModule) -> None:
+    """Refuse an in-place op on the value a function was handed for a parameter.
+
+    A parameter passed to a torch function is handed over as its ``unshard`` read (what FSDP gathers).
+    A function that writes into that argument (or a view of it) in place, such as ``F.embedding`` with ``max_norm``
+    (``embedding_renorm_`` on the weight it was given), would change the read, not the parameter: the
+    write would be lost for later steps, silently. An in-place op called on the parameter itself
+    (``weight.mul_(...)``, ``torch.embedding_renorm_(emb.weight, ...)``) writes the parameter and is fine.
+
+    Raises:
+        TraceError: naming the op, the parameter, the user's line and the fix.
+    """
+    for node in gm.graph.nodes:
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable or not node.args:
+            continue
+        first = node.args[0]
+        # Through views of the read (detach, t, slices, ...): they share its storage.
+        while isinstance(first, fx.Node) and isinstance(first.target, torch._ops.OpOverload) and first.target.is_view:
+            first = first.args[0]
+        if isinstance(first, fx.Node) and first.target is ops.UNSHARD and target._schema.arguments[0].is_write:
+            fqn = first.args[1]
+            fix = (
+                "nn.Embedding(max_norm=...) renormalizes inside F.embedding, on the value it is handed; renormalize "
+                "explicitly before the lookup, on the parameter itself: "
+                f"`with torch.no_grad(): torch.embedding_renorm_(emb.weight, ids, max_norm, norm_type)`, "
+                "and build the nn.Embedding without max_norm"
+                if target in (torch.ops.aten.embedding_renorm_.default,)
+                else "write to the parameter itself (e.g. `module.weight.mul_(...)` under torch.no_grad()), not to "
+                "the value a function was handed for it"
+            )
+            raise node_error(
+                TraceError,
+                node,
+                f"{target} writes in place into the value read for parameter {fqn!r}, not into the parameter: the "
+                f"change would be lost after this step",
+                fix=fix,
+            )
 
 
 def _refuse_recomputed_draws(gm: fx.GraphModule) -> None:

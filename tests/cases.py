@@ -109,6 +109,21 @@ class FillPartialModel(nn.Module):
         return out * ones
 
 
+class ExplicitRenorm(nn.Module):
+    """``nn.Embedding(max_norm=1)`` written out: the looked-up rows of the weight parameter are rescaled
+    in place before the lookup (``embedding_renorm_`` on the parameter: indices of every rank's batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, ids):
+        with torch.no_grad():
+            torch.embedding_renorm_(self.emb.weight, ids, 1.0, 2.0)
+        return self.fc(self.emb(ids).mean(1))
+
+
 class NllLossModel(nn.Module):
     def __init__(self):
         super().__init__()
@@ -297,6 +312,7 @@ CASES: dict[str, Case] = {
     "embedding_layer_norm": Case(EmbeddingLayerNorm, "adam_foreach", lambda g: (torch.randint(0, 32, (GLOBAL_BATCH, 6), generator=g), torch.randint(0, 4, (GLOBAL_BATCH,), generator=g)), cross_entropy_step),
     "full": Case(FullModel, "sgd", _xy, cross_entropy_step),
     "fill_partial": Case(FillPartialModel, "sgd", _xy, cross_entropy_step),
+    "explicit_renorm": Case(ExplicitRenorm, "sgd", lambda g: (torch.randint(0, 32, (GLOBAL_BATCH, 6), generator=g), torch.randint(0, 4, (GLOBAL_BATCH,), generator=g)), cross_entropy_step),
     "arange": Case(ArangeModel, "sgd", _xy, cross_entropy_step),
     "sym_numel": Case(NumelModel, "sgd", _x, _scalar_step),
     "stride": Case(StrideModel, "sgd", _x, _scalar_step),

@@ -127,16 +127,6 @@ class _WeightNormConv(nn.Module):
         return self.out(F.gelu(self.conv(x)).mean(-1))
 
 
-class _EmbeddingMaxNorm(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(20, 8, max_norm=1.0)
-        self.out = nn.Linear(8, CLASSES)
-
-    def forward(self, x):
-        return self.out(self.emb(x).mean(1))
-
-
 def _images(g):
     return torch.randn(B, 3, 8, 8, generator=g)
 
@@ -163,8 +153,6 @@ REFUSED = {
     "embedding_bag": ((_EmbeddingBag, lambda g: torch.randint(0, 20, (B, 6), generator=g)), "_embedding_bag"),
     "lstm": ((lambda: _Recurrent(nn.LSTM), lambda g: torch.randn(B, 5, 3, generator=g)), "mkldnn_rnn_layer"),
     "bilinear": ((lambda: nn.Bilinear(6, 6, CLASSES), None), "_trilinear"),
-    # max_norm renormalizes the looked-up rows of the weight in place during forward.
-    "embedding_max_norm": ((_EmbeddingMaxNorm, lambda g: torch.randint(0, 20, (B, 6), generator=g)), "embedding_renorm"),
 }
 
 

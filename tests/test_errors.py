@@ -178,6 +178,30 @@ def test_untraceable_optimizer_path_names_the_optimizer_and_the_fix(fake_mesh, m
         assert "Adafactor" not in msg
 
 
+def test_embedding_max_norm_is_refused_not_lost(fake_mesh):
+    """F.embedding renormalizes the value it is handed for the weight: the write would miss the parameter."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(20, 8, max_norm=1.0)
+
+        def forward(self, ids):
+            return self.emb(ids).sum()
+
+    def step(model, optimizer, ids):
+        loss = model(ids)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    model = Model()
+    with pytest.raises(spmd.TraceError) as info:
+        ddp(fake_mesh, step)(model, sgd(model), torch.randint(0, 20, (4, 3)))
+    msg = str(info.value)
+    assert "embedding_renorm_" in msg and "'emb.weight'" in msg and "torch.embedding_renorm_(emb.weight" in msg, msg
+
+
 def test_returning_python_number_is_a_trace_error(fake_mesh):
     def step(model, optimizer, x):
         loss = model(x).pow(2).mean()

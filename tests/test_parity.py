@@ -26,6 +26,7 @@ FSDP_W2 = [
     "mlp_adam_fused",
     "mlp_adamw_fused",
     "mlp_rprop_foreach",
+    "explicit_renorm",
     "mlp_uneven",
     "mlp_microbatch",
     "gpt_adamw",
