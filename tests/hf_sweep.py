@@ -1,0 +1,114 @@
+"""A wider sweep of HuggingFace models than the suite runs, by hand (not collected by pytest).
+
+Each model is a tiny random config (no downloads) trained 2 AdamW steps compiled on 2 gloo ranks and on
+one device over the global batch, compared like ``test_hf_zoo.py`` (losses, parameters, optimizer
+states; rtol=1e-4, atol=1e-5). Run it after a torch or transformers upgrade; the README lists what it
+last covered. ``--tp`` runs the causal LMs under tensor parallelism from each model's own TP plan.
+
+    python tests/hf_sweep.py --plans ddp fsdp
+    python tests/hf_sweep.py --tp --models qwen2 gemma
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import hf_zoo  # noqa: E402
+from hf_zoo import VOCAB, Arch, _DECODER, masked_lm_batch, seq2seq_batch  # noqa: E402
+from spmd_expand.app.launch import run_local  # noqa: E402
+
+
+def _config(cls, **kw):
+    return lambda attn: cls(**kw, attn_implementation=attn)
+
+
+_SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1)
+SWEEP = {
+    "qwen2": Arch(_config(transformers.Qwen2Config, **_DECODER), transformers.Qwen2ForCausalLM),
+    "phi3": Arch(_config(transformers.Phi3Config, **_DECODER, pad_token_id=0), transformers.Phi3ForCausalLM),
+    "gemma": Arch(_config(transformers.GemmaConfig, **_DECODER, head_dim=8), transformers.GemmaForCausalLM),
+    "starcoder2": Arch(_config(transformers.Starcoder2Config, **_DECODER, residual_dropout=0.0, embedding_dropout=0.0), transformers.Starcoder2ForCausalLM),
+    "stablelm": Arch(_config(transformers.StableLmConfig, **_DECODER), transformers.StableLmForCausalLM),
+    "gpt_neox": Arch(_config(transformers.GPTNeoXConfig, **_SMALL, intermediate_size=64, num_attention_heads=4, max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0), transformers.GPTNeoXForCausalLM),
+    "opt": Arch(_config(transformers.OPTConfig, **_SMALL, ffn_dim=64, num_attention_heads=4, max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, word_embed_proj_dim=32), transformers.OPTForCausalLM),
+    "falcon": Arch(_config(transformers.FalconConfig, **_SMALL, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0), transformers.FalconForCausalLM),
+    "bloom": Arch(_config(transformers.BloomConfig, vocab_size=VOCAB, hidden_size=32, n_layer=1, n_head=4, hidden_dropout=0.0, attention_dropout=0.0), transformers.BloomForCausalLM, attention="eager"),
+    "gptj": Arch(_config(transformers.GPTJConfig, vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=32, rotary_dim=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), transformers.GPTJForCausalLM, attention="eager"),
+    "roberta": Arch(_config(transformers.RobertaConfig, **_SMALL, num_attention_heads=2, intermediate_size=64, max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), transformers.RobertaForMaskedLM, masked_lm_batch),
+    "distilbert": Arch(_config(transformers.DistilBertConfig, vocab_size=VOCAB, dim=32, n_layers=1, n_heads=2, hidden_dim=64, max_position_embeddings=32, dropout=0.0, attention_dropout=0.0), transformers.DistilBertForMaskedLM, masked_lm_batch),
+}
+# Causal LMs whose config carries a base-model TP plan.
+TP_MODELS = {
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 8}),
+    "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM, {"head_dim": 8}),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {"pad_token_id": 0}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 4}),
+    "starcoder2": (transformers.Starcoder2Config, transformers.Starcoder2ForCausalLM, {"residual_dropout": 0.0, "embedding_dropout": 0.0}),
+    "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM, {}),
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, {}),
+}
+
+
+def _zoo_worker(rank: int, world: int, runs: list) -> dict:
+    hf_zoo.ZOO.update(SWEEP)
+    return hf_zoo.run_zoo(rank, world, runs, 2)
+
+
+def _tp_worker(rank: int, world: int, names: list, two_d: bool) -> dict:
+    import spmd_expand as spmd
+    import tp_cases
+
+    for name in names:
+        cfg_cls, model_cls, extra = TP_MODELS[name]
+        keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings", "attention_dropout")
+        base = {k: v for k, v in tp_cases.llama_config().to_dict().items() if k in keys}
+
+        def build(cfg_cls=cfg_cls, model_cls=model_cls, extra=extra, base=base):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                return model_cls(cfg_cls(**base, **extra))
+
+        tp_cases.TP_CASES[name] = tp_cases.TPCase(build, spmd.TensorParallel.from_huggingface, tp_cases.llama_step, tp_cases.llama_tokens)
+    return tp_cases.run_tp_cases(rank, world, names, two_d, 2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plans", nargs="+", default=["ddp", "fsdp"], choices=["ddp", "fsdp"])
+    parser.add_argument("--models", nargs="+", help="default: every model of the sweep")
+    parser.add_argument("--tp", action="store_true", help="tensor parallel from the models' own plans")
+    parser.add_argument("--two-d", action="store_true", help="with --tp: FSDP x TP on a 2x2 mesh (4 ranks)")
+    args = parser.parse_args()
+    failed = 0
+    if args.tp:
+        from test_tp_parity import check
+
+        names = args.models or list(TP_MODELS)
+        per_rank = run_local(_tp_worker, 4 if args.two_d else 2, names, args.two_d, timeout_s=1800)
+        runs = [(name, name) for name in names]
+    else:
+        from test_parity import check
+
+        runs = [((n, plan, "eager"), (n, plan, "eager")) for plan in args.plans for n in (args.models or list(SWEEP))]
+        per_rank = run_local(_zoo_worker, 2, [r for r, _ in runs], timeout_s=1800)
+    for key, label in runs:
+        try:
+            check(per_rank, key)
+            print(f"ok    {label}", flush=True)
+        except AssertionError as e:
+            failed += 1
+            print(f"FAIL  {label}: {str(e).strip().splitlines()[-1]}", flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
