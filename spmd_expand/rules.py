@@ -536,9 +536,14 @@ _POOL_BACKWARD = [
 ]
 
 
+def _is_tensor(arg: Any) -> bool:
+    """Whether an argument ``register_sharding`` hands a strategy function stands for a tensor."""
+    return isinstance(arg, DTensorSpec) or hasattr(arg, "shape")
+
+
 @register_sharding(_POOL_BACKWARD)
 def _pool_backward_sharding(grad_output, input, *args):
-    tensor_args = [isinstance(a, DTensorSpec) or hasattr(a, "shape") for a in args]
+    tensor_args = [_is_tensor(a) for a in args]
     strategies = []
     for placement in [Replicate(), Shard(0)] + ([Shard(1)] if len(input.shape) >= 4 else []):
         others = [placement if is_tensor else None for is_tensor in tensor_args]
@@ -558,7 +563,7 @@ _FILL = [aten.fill_.Scalar, aten.fill.Scalar, aten.fill_.Tensor, aten.fill.Tenso
 
 @register_sharding(_FILL)
 def _fill_sharding(self, value):
-    value_placement = Replicate() if isinstance(value, DTensorSpec) or hasattr(value, "shape") else None
+    value_placement = Replicate() if _is_tensor(value) else None
     placements = [Replicate(), *(Shard(d) for d in range(len(self.shape)))]
     if value_placement is None and not isinstance(value, bool) and value == 0:
         placements.append(Partial())

@@ -832,7 +832,7 @@ def _refuse_writes_to_parameter_reads(gm: fx.GraphModule) -> None:
                 "explicitly before the lookup, on the parameter itself: "
                 f"`with torch.no_grad(): torch.embedding_renorm_(emb.weight, ids, max_norm, norm_type)`, "
                 "and build the nn.Embedding without max_norm"
-                if target in (torch.ops.aten.embedding_renorm_.default,)
+                if target is torch.ops.aten.embedding_renorm_.default
                 else "write to the parameter itself (e.g. `module.weight.mul_(...)` under torch.no_grad()), not to "
                 "the value a function was handed for it"
             )

@@ -12,6 +12,7 @@ last covered. ``--tp`` runs the causal LMs under tensor parallelism from each mo
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -67,16 +68,8 @@ def _tp_worker(rank: int, world: int, names: list, two_d: bool) -> dict:
     import tp_cases
 
     for name in names:
-        cfg_cls, model_cls, extra = TP_MODELS[name]
-        keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "max_position_embeddings", "attention_dropout")
-        base = {k: v for k, v in tp_cases.llama_config().to_dict().items() if k in keys}
-
-        def build(cfg_cls=cfg_cls, model_cls=model_cls, extra=extra, base=base):
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(0)
-                return model_cls(cfg_cls(**base, **extra))
-
+        config_class, model_class, extra = TP_MODELS[name]
+        build = functools.partial(tp_cases.build_causal_lm, config_class, model_class, **extra)
         tp_cases.TP_CASES[name] = tp_cases.TPCase(build, spmd.TensorParallel.from_huggingface, tp_cases.llama_step, tp_cases.llama_tokens)
     return tp_cases.run_tp_cases(rank, world, names, two_d, 2)
 

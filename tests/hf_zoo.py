@@ -44,22 +44,23 @@ _DECODER = dict(
 )
 
 
-def lm_step(model, optimizer, input_ids, labels):
-    """The ordinary HF step: the model computes its own loss from ``labels``."""
-    out = model(input_ids=input_ids, labels=labels)
-    out.loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return out.loss
+def hf_step(*inputs: str) -> Callable:
+    """The ordinary HF training step for a model called with the keywords ``inputs`` (the batch
+    tensors, in that order); the model computes its own loss from ``labels``."""
+
+    def step(model, optimizer, *batch):
+        out = model(**dict(zip(inputs, batch)))
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return out.loss
+
+    return step
 
 
-def padded_lm_step(model, optimizer, input_ids, attention_mask, labels):
-    """``lm_step`` with a padding ``attention_mask`` (a batch tensor, sharded like ``input_ids``)."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
-    out.loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return out.loss
+lm_step = hf_step("input_ids", "labels")
+# With a padding ``attention_mask`` (a batch tensor, sharded like ``input_ids``).
+padded_lm_step = hf_step("input_ids", "attention_mask", "labels")
 
 
 def causal_batch(g: torch.Generator) -> tuple:
@@ -206,12 +207,7 @@ def audio_batch(g: torch.Generator) -> tuple:
     return torch.randn(GLOBAL_BATCH, 400, generator=g), torch.randint(0, LABELS, (GLOBAL_BATCH,), generator=g)
 
 
-def audio_step(model, optimizer, input_values, labels):
-    out = model(input_values=input_values, labels=labels)
-    out.loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return out.loss
+audio_step = hf_step("input_values", "labels")
 
 
 def image_batch(g: torch.Generator) -> tuple:
@@ -219,13 +215,7 @@ def image_batch(g: torch.Generator) -> tuple:
     return torch.randn(GLOBAL_BATCH, 3, IMAGE, IMAGE, generator=g), torch.randint(0, LABELS, (GLOBAL_BATCH,), generator=g)
 
 
-def image_step(model, optimizer, pixel_values, labels):
-    """The ordinary HF image-classification step (the model computes the cross-entropy)."""
-    out = model(pixel_values=pixel_values, labels=labels)
-    out.loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return out.loss
+image_step = hf_step("pixel_values", "labels")
 
 
 def _bert(attn):

@@ -217,21 +217,27 @@ def build_llama():
         return LlamaForCausalLM(llama_config())
 
 
+# Llama's shape settings, which every causal LM config of transformers takes under these names.
+_SHAPE_KEYS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "max_position_embeddings", "attention_dropout",
+)
+
+
+def build_causal_lm(config_class, model_class, **extra):
+    """A causal LM of transformers with Llama's shapes (``llama_config``) and ``extra`` settings, seeded."""
+    shapes = {k: v for k, v in llama_config().to_dict().items() if k in _SHAPE_KEYS}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return model_class(config_class(**shapes, **extra))
+
+
 def build_qwen3():
     """Llama's shapes with Qwen3's per-head RMSNorm of queries and keys (``q_norm``/``k_norm``): under
     transformers' TP plan they normalize the heads of this rank's colwise ``q_proj``/``k_proj`` shards."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(**{k: v for k, v in llama_config().to_dict().items() if k in _QWEN3_KEYS}, head_dim=8)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return Qwen3ForCausalLM(config)
-
-
-_QWEN3_KEYS = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "max_position_embeddings", "attention_dropout",
-)
+    return build_causal_lm(Qwen3Config, Qwen3ForCausalLM, head_dim=8)
 
 
 def llama_step(model, optimizer, idx, labels):
