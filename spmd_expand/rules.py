@@ -565,7 +565,8 @@ _FILL = [aten.fill_.Scalar, aten.fill.Scalar, aten.fill_.Tensor, aten.fill.Tenso
 def _fill_sharding(self, value):
     value_placement = Replicate() if _is_tensor(value) else None
     placements = [Replicate(), *(Shard(d) for d in range(len(self.shape)))]
-    if value_placement is None and not isinstance(value, bool) and value == 0:
+    # A literal 0 only: a symbolic value (a hyperparameter input) may be 0 in one call and not the next.
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
         placements.append(Partial())
     return [([p], [p, value_placement]) for p in placements]
 
