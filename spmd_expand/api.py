@@ -276,6 +276,14 @@ class CompiledStep:
         self._binding: Optional[_Binding] = None
         functools.update_wrapper(self, fn)
 
+    def reset(self) -> None:
+        """Drop every compiled graph of this step: the next call traces and compiles again (the
+        counterpart of ``torch.compiler.reset()`` for one compiled step; e.g. to time a compile).
+        The model's and optimizer's distributed state is kept."""
+        self.cache.clear()
+        self.redistribute_cache = RedistributeCache()
+        self._binding = None
+
     # ------------------------------------------------------------------ gradient accumulation
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """Turn gradient reduction off (``False``) for calls that only accumulate gradients.

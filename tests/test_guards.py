@@ -126,3 +126,20 @@ def test_fast_path_recompiles_after_module_swap(fake_mesh):
     assert relu and gelu
     assert not any("gelu" in str(n.target) for n in graphs[3].local_graph.graph.nodes)
     del reference
+
+
+def test_reset_compiles_again(fake_mesh):
+    """``reset()`` drops the graphs the fast path would serve: the next call compiles a new one."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(_step)
+    x = torch.randn(2, 8)
+    step(model, optimizer, x)
+    first = step.last
+    step(model, optimizer, x)
+    assert step.last is first
+    step.reset()
+    step(model, optimizer, x)
+    assert step.last is not first
+    assert sum(len(v) for v in step.cache.values()) == 1

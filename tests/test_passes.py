@@ -90,6 +90,34 @@ def test_bucketing_ddp_one_bucket_for_small_gradients(ddp_graph):
     assert not records[0].modified and collective_stats(again).as_dict()["all_reduce"]["count"] == 2
 
 
+def test_bucketing_writes_torchs_node_metadata(ddp_graph):
+    """The merge's metadata (stack trace, module stack, provenance) is computed once per bucket, not
+    once per new node, and is what torch's own ``_populate_node_meta`` writes on every new node."""
+    from torch._inductor.fx_passes import bucketing as inductor_bucketing
+
+    ours, _ = _run(BucketCollectives(), ddp_graph)
+    theirs = copy_graph_module(ddp_graph[0])
+    p = BucketCollectives()
+    for kind, nodes in p.buckets(theirs):
+        inductor_bucketing.merge_all_reduce_bucket(theirs.graph, nodes)
+
+    def provenance(gm):
+        merged = [n for n in gm.graph.nodes if "bucketing_stack_trace_sources" in n.meta]
+        return len(merged), [
+            (n.meta["stack_trace"], n.meta["nn_module_stack"], n.meta["bucketing_stack_trace_sources"],
+             [(s.node_info.name, s.node_info.target, s.pass_name) for s in n.meta["from_node"]])
+            for n in merged
+        ]
+
+    count, entries = provenance(ours)
+    assert count > 10 and (count, entries) == provenance(theirs)
+    # Sources: one per member of the bucket (34 gradients and the loss).
+    assert len(entries[0][3]) == 35
+    # Each node its own lists (a later pass appending to one node's provenance changes no other).
+    merged = [n for n in ours.graph.nodes if "from_node" in n.meta and len(n.meta["from_node"]) == 35]
+    assert len({id(n.meta["from_node"]) for n in merged}) == len(merged)
+
+
 def test_bucketing_returned_loss_joins_the_last_gradient_bucket(ddp_graph):
     gm, _ = ddp_graph
     starts = [n for n in gm.graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default]
