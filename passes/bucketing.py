@@ -32,6 +32,7 @@ one's input depends on the other's output. The bucket's collective is placed whe
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 import types
@@ -232,12 +233,22 @@ def _merge(kind: str, graph: fx.Graph, nodes: list[fx.Node], **where) -> None:
     users = list(dict.fromkeys(u for n in nodes for u in _wait_of(n).users))
     hidden = {u: u.meta.pop("val") for u in users if "val" in u.meta}
     try:
-        with mock.patch.object(inductor_bucketing, "_populate_node_meta", _populate_node_meta_once):
+        # torch's merge calls its module's _populate_node_meta; the patch lasts for this merge only.
+        patch = (
+            mock.patch.object(inductor_bucketing, "_populate_node_meta", _populate_node_meta_once)
+            if _TORCH_POPULATE_NODE_META is not None
+            else contextlib.nullcontext()
+        )
+        with patch:
             _MERGE[kind](graph, nodes, **where)
     finally:
         for user, val in hidden.items():
             user.meta["val"] = val
     inductor_bucketing._recompute_changed_user_metadata(users)
+
+
+# None in a torch without it (then torch's merge runs unchanged).
+_TORCH_POPULATE_NODE_META = getattr(inductor_bucketing, "_populate_node_meta", None)
 
 
 def _populate_node_meta_once(bucket_nodes: list[fx.Node], new_nodes: list[fx.Node]) -> None:
@@ -255,9 +266,6 @@ def _populate_node_meta_once(bucket_nodes: list[fx.Node], new_nodes: list[fx.Nod
     _TORCH_POPULATE_NODE_META(bucket_nodes, [probe])
     for node in new_nodes:
         node.meta.update({key: copy.copy(value) for key, value in probe.meta.items()})
-
-
-_TORCH_POPULATE_NODE_META = inductor_bucketing._populate_node_meta
 
 
 def _all_reduce_key(node: fx.Node) -> tuple:
