@@ -5,6 +5,8 @@ name                        stage   what it does
 ==========================  ======  ==============================================================
 ``regather_for_backward``   global  FSDP ``reshard_after_forward``: parameters gathered again per
                                     region (:mod:`.regather`)
+``horizontal_fusion``       global  the optimizer's per-parameter 0-d arithmetic (bias corrections,
+                                    step sizes) as ops over one vector (:mod:`.horizontal_fusion`)
 ``bucketing``               local   gradient all-reduces in DDP-sized buckets (the returned loss's
                                     all-reduce in the last), parameter all-gathers and gradient
                                     reduce-scatters per block (:mod:`.bucketing`)
@@ -12,7 +14,7 @@ name                        stage   what it does
                                     one block ahead (:mod:`.overlap`)
 ==========================  ======  ==============================================================
 
-``spmd.compile(passes="default")`` runs all three; ``passes=[...]`` takes names and pass objects
+``spmd.compile(passes="default")`` runs all four; ``passes=[...]`` takes names and pass objects
 (:class:`SpmdPass` instances, or plain callables on the local graph); ``passes=[]`` runs none.
 :func:`default_passes` builds the default list with some disabled by name.
 """
@@ -23,6 +25,7 @@ from typing import Any, Callable, Iterable, Sequence, Union
 
 from ..errors import PassError
 from .bucketing import BucketCollectives
+from .horizontal_fusion import HorizontalFusion
 from .manager import FunctionPass, PassContext, PassRecord, SpmdPass, run_passes
 from .overlap import OverlapCollectives
 from .regather import RegatherForBackward
@@ -38,18 +41,20 @@ __all__ = [
     "default_passes",
     "resolve_passes",
     "RegatherForBackward",
+    "HorizontalFusion",
     "BucketCollectives",
     "OverlapCollectives",
 ]
 
 PASSES: dict[str, Callable[[], SpmdPass]] = {
     RegatherForBackward.name: RegatherForBackward,
+    HorizontalFusion.name: HorizontalFusion,
     BucketCollectives.name: BucketCollectives,
     OverlapCollectives.name: OverlapCollectives,
 }
 """Pass name -> factory of the pass with its default settings."""
 
-DEFAULT_PASSES = ("regather_for_backward", "bucketing", "overlap")
+DEFAULT_PASSES = ("regather_for_backward", "horizontal_fusion", "bucketing", "overlap")
 """What ``passes="default"`` runs."""
 
 PassSpec = Union[str, SpmdPass, Callable[..., Any]]

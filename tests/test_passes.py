@@ -8,6 +8,8 @@ suites (test_parity, test_training_loops, ...), which compile with the default p
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch.fx as fx
@@ -27,6 +29,7 @@ from spmd_expand.passes import (
     run_passes,
 )
 from spmd_expand.passes.bucketing import block_of, collective_kind
+from spmd_expand.passes.horizontal_fusion import HorizontalFusion, horizontal_fusion
 from spmd_expand.passes.manager import copy_graph_module
 from spmd_expand.passes.overlap import _feeders
 from spmd_expand.tools.dump import gpt_job
@@ -251,9 +254,9 @@ def test_pass_selection_errors():
         resolve_passes(["overlap", "overlap"])
     with pytest.raises(spmd.PassError, match="cannot disable"):
         default_passes(disable=["nope"])
-    assert default_passes(disable=["overlap"]) == ["regather_for_backward", "bucketing"]
+    assert default_passes(disable=["overlap"]) == ["regather_for_backward", "horizontal_fusion", "bucketing"]
     global_passes, local_passes = resolve_passes("default")
-    assert [p.name for p in global_passes] == ["regather_for_backward"]
+    assert [p.name for p in global_passes] == ["regather_for_backward", "horizontal_fusion"]
     assert [p.name for p in local_passes] == ["bucketing", "overlap"]
 
 
@@ -286,3 +289,94 @@ def test_a_pass_that_breaks_the_graph_is_caught(ddp_graph):
 
     with pytest.raises(spmd.PassError, match="unsort"):
         _run(Unsort(), ddp_graph)
+
+
+# ---------------------------------------------------------------------------------- horizontal_fusion
+
+
+def _bias_corrections(steps, params, lr):
+    """Adam's foreach arithmetic on the lanes of a foreach result (torch 2.13, _multi_tensor_adam)."""
+    steps = torch._foreach_add(steps, 1)
+    bc1 = [1 - 0.9**s for s in steps]  # pow then rsub per lane: the lanes interleave
+    bc2 = [1 - 0.999**s for s in steps]
+    step_size = torch.stack([(lr / b) * -1 for b in bc1])
+    bc2_sqrt = [b**0.5 for b in bc2]
+    return [step_size, *torch._foreach_div(params, bc2_sqrt)]
+
+
+def _lanes(n):
+    torch.manual_seed(0)
+    steps = [torch.tensor(float(i), dtype=torch.float64) for i in range(1, n + 1)]
+    return steps, [torch.randn(3) for _ in range(n)], torch.tensor(0.01, dtype=torch.float64)
+
+
+def _scalar_ops(gm):
+    return sum(
+        1 for n in gm.graph.nodes
+        if n.op == "call_function" and n.target in (torch.ops.aten.pow.Scalar, torch.ops.aten.rsub.Scalar, torch.ops.aten.div.Tensor)
+    )
+
+
+def test_horizontal_fusion_makes_one_op_per_chain_step_with_equal_values():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    inputs = _lanes(5)
+    gm = make_fx(_bias_corrections, tracing_mode="fake")(*inputs)
+    expected = gm(*inputs)
+    assert _scalar_ops(gm) == 25  # 5 lanes x (pow, rsub) x 2 and div
+    assert horizontal_fusion(gm) == 7  # (pow, rsub) x 2, div, mul, pow 0.5
+    assert _scalar_ops(gm) == 5
+    # The step sizes' stack is the fused vector itself: the only stack left gathers the foreach lanes.
+    stacks = [n for n in gm.graph.nodes if n.target is torch.ops.aten.stack.default]
+    assert len(stacks) == 1 and all(a.target is operator.getitem for a in stacks[0].args[0])
+    for a, b in zip(expected, gm(*inputs)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert horizontal_fusion(gm) == 0  # idempotent
+
+
+def test_horizontal_fusion_leaves_mixed_dtypes_and_non_lockstep_lanes_alone():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def mixed(steps, scale):
+        steps = torch._foreach_add(steps, 1)
+        # A float32 0-d scale promotes a float64 0-d lane, but would not promote a float64 vector the
+        # same way: not fused.
+        return [s * scale for s in steps]
+
+    def per_lane_loop(steps, params):
+        steps = torch._foreach_add(steps, 1)
+        out = []
+        for s, p in zip(steps, params):  # the whole chain of one lane, then the next lane's
+            out.append(p * (1 - 0.9**s))
+        return out
+
+    steps, params, _ = _lanes(4)
+    gm = make_fx(mixed, tracing_mode="fake")([s.float() for s in steps], torch.tensor(2.0, dtype=torch.float64))
+    assert horizontal_fusion(gm) == 0
+    gm = make_fx(per_lane_loop, tracing_mode="fake")(steps, params)
+    expected = gm(steps, params)
+    horizontal_fusion(gm)
+    for a, b in zip(expected, gm(steps, params)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_horizontal_fusion_on_the_adamw_step(world):
+    """Default pipeline, AdamW foreach on the 2-layer GPT: the per-parameter pow/rsub/reciprocal
+    chains (10 nodes per parameter) become a handful of vector ops."""
+
+    def adamw_step(passes):
+        job = gpt_job(2)
+        optimizer = torch.optim.AdamW(job.model.parameters(), lr=1e-3, foreach=True)
+        step = spmd.compile(mesh=world, plan=spmd.DDP(), lower="eager", passes=passes)(job.step)
+        step(job.model, optimizer, *job.batch)
+        return step
+
+    with_pass, without = adamw_step(["horizontal_fusion"]), adamw_step([])
+    fused, plain = with_pass.last.traced.graph_module.graph, without.last.traced.graph_module.graph
+
+    def count(graph, target):
+        return sum(1 for n in graph.nodes if n.target is target)
+
+    assert count(plain, torch.ops.aten.pow.Scalar) == 68 and count(fused, torch.ops.aten.pow.Scalar) == 2
+    assert len(fused.nodes) < len(plain.nodes) - 200
+    assert with_pass.last.passes[0].name == "horizontal_fusion" and with_pass.last.passes[0].modified
