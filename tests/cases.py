@@ -64,6 +64,21 @@ def mse_step(model, optimizer, x, y=None):
     return loss
 
 
+def _staggered_adamw(params) -> torch.optim.Optimizer:
+    """AdamW whose parameters have taken different numbers of steps (as after param groups were added
+    at different times, or a checkpoint of such a run): per-parameter bias corrections then differ, so
+    a mix-up of parameters in the optimizer's per-parameter arithmetic shows in the result."""
+    params = list(params)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=True)
+    for i, p in enumerate(params):
+        optimizer.state[p] = {
+            "step": torch.tensor(float(1 + 7 * i)),
+            "exp_avg": torch.full_like(p, 1e-3 * (i + 1)),
+            "exp_avg_sq": torch.full_like(p, 1e-6 * (i + 1)),
+        }
+    return optimizer
+
+
 OPTIMIZERS: dict[str, Callable] = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
     "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
@@ -76,6 +91,12 @@ OPTIMIZERS: dict[str, Callable] = {
     # single-tensor path (its foreach path is refused with that fix).
     "rprop_foreach": lambda ps: torch.optim.Rprop(ps, lr=1e-3, foreach=True),
     "adamax": lambda ps: torch.optim.Adamax(ps, lr=1e-3, foreach=False),
+    # Foreach paths with per-parameter scalar arithmetic (the horizontal_fusion pass fuses it):
+    # NAdam's mu_product state and momentum schedule, Adagrad's lr decay, RMSprop's centered average.
+    "nadam_foreach": lambda ps: torch.optim.NAdam(ps, lr=1e-3, decoupled_weight_decay=True, weight_decay=0.1, foreach=True),
+    "adagrad_foreach": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, lr_decay=0.01, foreach=True),
+    "rmsprop_foreach": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, centered=True, foreach=True),
+    "adamw_staggered": _staggered_adamw,
     # Transformers train at lr <= 1e-3; early Adam steps move each element by about lr * sign(grad),
     # so at 1e-2 rounding in near-zero gradients alone can exceed atol=1e-5.
     "adamw_gpt": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, foreach=True),

@@ -16,7 +16,7 @@ from spmd_expand.app.launch import run_local
 RTOL, ATOL = 1e-4, 1e-5
 
 EAGER_W2 = list(cases.CASES)
-INDUCTOR_W2 = ["mlp_adamw_foreach", "mlp_sgd_momentum", "gpt_adamw"]
+INDUCTOR_W2 = ["mlp_adamw_foreach", "mlp_adamw_staggered", "mlp_sgd_momentum", "gpt_adamw"]
 EAGER_W4 = ["mlp_adamw_fused", "mlp_microbatch", "view_expand", "arange"]
 
 FSDP_W2 = [
@@ -26,6 +26,10 @@ FSDP_W2 = [
     "mlp_adam_fused",
     "mlp_adamw_fused",
     "mlp_rprop_foreach",
+    "mlp_nadam_foreach",
+    "mlp_adagrad_foreach",
+    "mlp_rmsprop_foreach",
+    "mlp_adamw_staggered",
     "explicit_renorm",
     "mlp_uneven",
     "mlp_microbatch",
