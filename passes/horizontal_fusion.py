@@ -168,10 +168,20 @@ def horizontal_fusion(gm: fx.GraphModule, min_lanes: int = _MIN_LANES) -> int:
         raise PassError("pass 'horizontal_fusion' needs fake values (meta['val']) on the graph's inputs")
 
     _settle_validity(groups, order, min_lanes)
+    shape_env = fake_mode.shape_env
+    guards_before = len(shape_env.guards) if shape_env is not None else 0
     fused = 0
     for group in groups:  # in the order groups were first seen: sources before their users
         if group.seed is None and group.valid:
             fused += _fuse(graph, group, groups, fake_mode)
+    if shape_env is not None and len(shape_env.guards) > guards_before:
+        # The step's hyperparameter guards were taken when it was traced; a guard added now would
+        # not be checked on later calls. Elementwise ops on vectors guard nothing their 0-d forms
+        # did not; should one ever do, refuse loudly rather than risk a stale graph.
+        raise PassError(
+            f"pass 'horizontal_fusion' added a guard on the step's symbols ({shape_env.guards[-1].expr}); "
+            f"compile with passes=default_passes(disable=['horizontal_fusion'])"
+        )
     if fused:
         _erase_unused_selects(graph, groups)
         for group in groups:
