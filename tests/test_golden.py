@@ -50,11 +50,12 @@ CASES = [
     GoldenCase("gpt", "tp", "2"),
     GoldenCase("mlp", "fsdp+tp", "2x2"),
     GoldenCase("gpt", "hsdp", "2x2"),
-    # After the default passes (bucketing, overlap): what is lowered.
+    # After the default passes (bucketing, overlap; horizontal_fusion finds nothing: SGD): what is lowered.
     GoldenCase("gpt", "ddp", "2", stage="passes"),
     GoldenCase("gpt", "fsdp", "2", stage="passes"),
     GoldenCase("gpt", "tp", "2", stage="passes"),
     GoldenCase("mlp", "fsdp+tp", "2x2", stage="passes"),
+    GoldenCase("gpt", "hsdp", "2x2", stage="passes"),
 ]
 
 
