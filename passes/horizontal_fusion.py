@@ -78,7 +78,9 @@ def _elementwise(node: fx.Node) -> bool:
         return False
     if target is aten._to_copy.default:
         return set(node.kwargs) <= {"dtype"}
-    return torch.Tag.pointwise in target.tags and not target._schema.is_mutable
+    tags = target.tags
+    # A random op drawn for N lanes at once would consume the generator differently.
+    return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags and not target._schema.is_mutable
 
 
 def _seeds(nodes: list[fx.Node], min_lanes: int) -> list[_Group]:
@@ -183,10 +185,7 @@ def horizontal_fusion(gm: fx.GraphModule, min_lanes: int = _MIN_LANES) -> int:
             f"compile with passes=default_passes(disable=['horizontal_fusion'])"
         )
     if fused:
-        _erase_unused_selects(graph, groups)
-        for group in groups:
-            if group.seed is not None and group.vector is not None and not group.vector.users:
-                graph.erase_node(group.vector)
+        _erase_unused(graph, groups)
         graph.lint()
         gm.recompile()
     return fused
@@ -237,7 +236,8 @@ def _with_val(node: fx.Node, like: fx.Node, fake_mode, fn, *args, **kwargs) -> f
 
 
 def _vector_of(graph: fx.Graph, source: _Group, fake_mode) -> fx.Node:
-    """The source's lanes as one vector: a fused group's node, or ``stack`` of a foreach's getitems."""
+    """The source's lanes as one vector: a fused group's node, or else ``stack`` of its lanes (a
+    foreach's getitems; the members of a group whose fusion failed)."""
     if source.vector is None:
         members = source.members
         with graph.inserting_after(_last(members)):
@@ -298,12 +298,17 @@ def _fuse(graph: fx.Graph, group: _Group, groups: list[_Group], fake_mode) -> bo
     return True
 
 
-def _erase_unused_selects(graph: fx.Graph, groups: list[_Group]) -> None:
+def _erase_unused(graph: fx.Graph, groups: list[_Group]) -> None:
+    """Erase the lane reads nothing uses, then the vectors nothing uses (a foreach result's stack
+    whose only consumer did not fuse after all)."""
     for group in groups:
         if group.vector is not None and group.seed is None:
             for user in list(group.vector.users):
                 if user.target is aten.select.int and not user.users:
                     graph.erase_node(user)
+    for group in reversed(groups):
+        if group.vector is not None and not group.vector.users:
+            graph.erase_node(group.vector)
 
 
 class HorizontalFusion(SpmdPass):
