@@ -543,9 +543,9 @@ def compile(
         mesh: the ``DeviceMesh`` the plan refers to.
         plan: ``spmd.DDP(...)`` for a 1-D mesh, or ``{mesh_dim_name: style}``.
         lower: ``"inductor"`` (default) or ``"eager"`` (run the expanded fx graph as is).
-        passes: ``"default"`` (``regather_for_backward``, ``bucketing``, ``overlap``; see
-            :mod:`spmd_expand.passes`), or a list of pass names, ``SpmdPass`` objects and callables on
-            the local graph; ``[]`` runs none. ``spmd_expand.passes.default_passes(disable=[...])``
+        passes: ``"default"`` (``regather_for_backward``, ``horizontal_fusion``, ``bucketing``,
+            ``overlap``; see :mod:`spmd_expand.passes`), or a list of pass names, ``SpmdPass`` objects
+            and callables on the local graph; ``[]`` runs none. ``spmd_expand.passes.default_passes(disable=[...])``
             drops some by name.
         module_override: :class:`Override` objects that swap untraceable submodules while tracing.
         keep_graphs: keep a copy of the graph after every pass in ``step.last.passes`` (for
