@@ -740,6 +740,17 @@ def trace_step(
     except Exception as e:  # noqa: BLE001 - every tracing failure becomes one clear error
         kind = type(e).__name__
         data_dependent = "DataDependent" in kind or "data-dependent" in str(e).lower()
+        if _NON_FAKE_INPUT in str(e):
+            raise TraceError(
+                f"the step computes with a tensor it was not handed (a global, a closure's or another object's "
+                f"tensor) at {_user_frame(e)}: {str(e).split('Found in ')[-1].splitlines()[0]}\n"
+                f"  spmd.compile makes graph inputs of the step's tensor arguments (this rank's batch), the model's "
+                f"parameters and buffers and the optimizer's state only; a tensor from elsewhere would be baked "
+                f"into the graph and never updated\n"
+                f"  fix: register it on the model (`model.register_buffer(name, tensor)`: replicated, read and "
+                f"written every step), or move the code that uses it out of the compiled step (e.g. "
+                f"`ema.update_parameters(model)` after the call)"
+            ) from e
         if optimizer is not None and _raised_in_optimizer(e):
             where = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}.step()"
             hint = _optimizer_hint(optimizer, data_dependent)
@@ -772,12 +783,33 @@ def trace_step(
     )
 
 
+# FakeTensorMode's refusal of a real tensor (torch/_subclasses/fake_tensor.py, allow_non_fake_inputs=False).
+_NON_FAKE_INPUT = "Please convert all Tensors to FakeTensors first"
+
+
+def _user_frame(e: BaseException) -> str:
+    """The innermost frame of ``e``'s traceback outside torch and spmd_expand: ``file:line: source``."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not _is_library_file(f.filename)]
+    if not frames:
+        return "<unknown source>"
+    f = frames[-1]
+    return f'File "{f.filename}", line {f.lineno}, in {f.name}: {(f.line or "").strip()}'
+
+
+def _is_library_file(filename: str) -> bool:
+    filename = filename.replace("\\", "/")
+    return "/torch/" in filename or "/spmd_expand/" in filename
+
+
 def _raised_in_optimizer(e: BaseException) -> bool:
-    """Whether ``e`` was raised while code of ``torch.optim`` ran: below its innermost frame only
-    torch's and spmd_expand's own frames (tracing hooks), none of the user's."""
+    """Whether ``e`` was raised inside ``Optimizer.step()``: below the user's innermost frame there are
+    only torch's and spmd_expand's own frames (tracing hooks), and among them the step wrappers of
+    ``torch/optim/optimizer.py`` (every ``torch.optim`` optimizer's ``step`` runs through them; other
+    code of ``torch.optim``, such as ``swa_utils.AveragedModel.update_parameters``, does not)."""
     files = [f.filename.replace("\\", "/") for f in traceback.extract_tb(e.__traceback__)]
-    optim = [i for i, f in enumerate(files) if "/torch/optim/" in f]
-    return bool(optim) and all("/torch/" in f or "/spmd_expand/" in f for f in files[optim[-1]:])
+    user = [i for i, f in enumerate(files) if not _is_library_file(f)]
+    below = files[user[-1] + 1:] if user else files
+    return any(f.endswith("/torch/optim/optimizer.py") for f in below)
 
 
 def _optimizer_hint(optimizer: torch.optim.Optimizer, data_dependent: bool) -> str:

@@ -309,3 +309,40 @@ def test_optimizer_parameter_outside_the_model(fake_mesh):
     optimizer = torch.optim.SGD([*model.parameters(), stray], lr=0.1)
     with pytest.raises(spmd.PlanError, match=r"param_groups\[0\]\['params'\]\[4\] \(shape \[3\]"):
         ddp(fake_mesh, _item_step)(model, optimizer, torch.randn(4, 8))
+
+
+CLASS_WEIGHTS = torch.tensor([1.0, 2.0, 0.5, 1.0])  # a global tensor, not a buffer of the model
+
+
+def _global_tensor_step(model, optimizer, x, y):
+    loss = nn.functional.cross_entropy(model(x), y, weight=CLASS_WEIGHTS)  # reads a global tensor
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def test_a_tensor_from_outside_the_step_names_the_line_and_the_fix(fake_mesh):
+    """A global tensor would be baked into the graph (never updated): refused, with register_buffer as the fix."""
+    model = _mlp()
+    with pytest.raises(spmd.TraceError, match="computes with a tensor it was not handed") as info:
+        ddp(fake_mesh, _global_tensor_step)(model, sgd(model), torch.randn(4, 8), torch.randint(0, 4, (4,)))
+    msg = str(info.value)
+    assert "weight=CLASS_WEIGHTS" in msg and "test_errors.py" in msg and "register_buffer" in msg, msg
+
+
+def test_ema_update_in_the_step_is_not_blamed_on_the_optimizer(fake_mesh):
+    """torch.optim.swa_utils is torch.optim code but not Optimizer.step(): the error names the user's line."""
+    model = _mlp()
+    ema = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+
+    def step(model, optimizer, x):
+        loss = _loss(model, x)
+        loss.backward()
+        optimizer.step()
+        ema.update_parameters(model)  # the EMA copy's tensors are not inputs of the step
+        return loss
+
+    with pytest.raises(spmd.TraceError) as info:
+        ddp(fake_mesh, step)(model, sgd(model), torch.randn(4, 8))
+    msg = str(info.value)
+    assert "SGD.step()" not in msg and "ema.update_parameters(model)" in msg and "after the call" in msg, msg
