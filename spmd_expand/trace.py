@@ -755,9 +755,13 @@ def trace_step(
             where = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}.step()"
             hint = _optimizer_hint(optimizer, data_dependent)
         else:
-            where = "the train step"
+            where = f"the train step at {_user_frame(e)}{_library_frame(e)}"
             hint = (
-                "the step branches on tensor values (data-dependent control flow); compute the branch "
+                "torch.amp.GradScaler.step() skips optimizer.step() when a gradient is inf/NaN, a branch on "
+                "tensor values that one compiled graph cannot take; autocast to bfloat16 (no loss scaling "
+                "needed) or scale the loss by a constant and divide the gradients by it before optimizer.step()"
+                if data_dependent and "grad_scaler.py" in _library_frame(e)
+                else "the step branches on tensor values (data-dependent control flow); compute the branch "
                 "with torch.where or move it out of the step"
                 if data_dependent
                 else "make sure the step runs eagerly on one device first; see the chained exception"
@@ -794,6 +798,25 @@ def _user_frame(e: BaseException) -> str:
         return "<unknown source>"
     f = frames[-1]
     return f'File "{f.filename}", line {f.lineno}, in {f.name}: {(f.line or "").strip()}'
+
+
+def _library_frame(e: BaseException) -> str:
+    """``", inside torch's <module>.<function>"`` for the innermost frame of ``e``'s traceback below the
+    user's innermost frame that is torch code outside its tracing machinery (e.g.
+    ``torch/amp/grad_scaler.py`` in ``_maybe_opt_step``), or ``""``."""
+    frames = list(traceback.extract_tb(e.__traceback__))
+    user = [i for i, f in enumerate(frames) if not _is_library_file(f.filename)]
+    below = frames[user[-1] + 1:] if user else []
+    tracing = ("/torch/fx/", "/torch/_subclasses/", "/torch/_ops.py", "/torch/utils/", "/torch/_prims", "/torch/_refs",
+               "/torch/_decomp", "/torch/_meta_registrations", "/torch/_library", "/torch/_compile", "/torch/_dynamo",
+               "/torch/_tensor.py", "/torch/overrides.py", "/torch/__init__.py", "/torch/_guards.py")
+    shown = [f for f in below if "/torch/" in f.filename.replace("\\", "/") and not any(
+        t in f.filename.replace("\\", "/") for t in tracing)]
+    if not shown:
+        return ""
+    f = shown[-1]
+    module = f.filename.replace("\\", "/").split("/torch/", 1)[1]
+    return f", inside torch/{module} in {f.name}"
 
 
 def _is_library_file(filename: str) -> bool:

@@ -346,3 +346,21 @@ def test_ema_update_in_the_step_is_not_blamed_on_the_optimizer(fake_mesh):
         ddp(fake_mesh, step)(model, sgd(model), torch.randn(4, 8))
     msg = str(info.value)
     assert "SGD.step()" not in msg and "ema.update_parameters(model)" in msg and "after the call" in msg, msg
+
+
+def test_grad_scaler_names_the_scaler_and_the_fix(fake_mesh):
+    """GradScaler.step() branches on found_inf: the error says where (torch's grad_scaler) and what to do."""
+    model = _mlp()
+    scaler = torch.amp.GradScaler("cpu")
+
+    def step(model, optimizer, x):
+        loss = _loss(model, x)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)  # reads found_inf to decide whether to step
+        scaler.update()
+        return loss
+
+    with pytest.raises(spmd.TraceError) as info:
+        ddp(fake_mesh, step)(model, sgd(model), torch.randn(4, 8))
+    msg = str(info.value)
+    assert "scaler.step(optimizer)" in msg and "grad_scaler.py" in msg and "bfloat16" in msg, msg
