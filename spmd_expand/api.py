@@ -431,7 +431,8 @@ class CompiledStep:
         except _Stale:
             return None
         values = [hp.read(optimizer) for hp in binding.hyperparameters]
-        if binding.artifacts.traced.guards.check(values) is not None:
+        traced = binding.artifacts.traced
+        if traced.guards.check(values) is not None or traced.python_guards.check() is not None:
             return None
         return binding.artifacts, locals_, values
 
@@ -468,15 +469,30 @@ class CompiledStep:
             self.requires_gradient_sync,
         )
         compiled = self.cache.setdefault(key, [])
-        artifacts = next((a for a in compiled if a.traced.guards.check(values) is None), None)
+        artifacts = next(
+            (a for a in compiled if a.traced.guards.check(values) is None and a.traced.python_guards.check() is None),
+            None,
+        )
         if artifacts is None:
             if compiled:
-                failed = compiled[-1].traced.guards.check(values)
+                last = compiled[-1].traced
+                failed = last.guards.check(values)
+                if failed is not None:
+                    why = (
+                        f"the traced code assumed {failed}. A hyperparameter that a code path or a kernel takes "
+                        f"as a constant recompiles on every change; when a scheduler changes betas or momentum, "
+                        f"prefer foreach=True"
+                    )
+                else:
+                    why = (
+                        f"the trace read the Python value {last.python_guards.check()}, which the graph bakes in. "
+                        f"A value that changes every step recompiles every step: keep it in a tensor the step is "
+                        f"handed (a buffer: model.register_buffer(name, torch.tensor(value)), updated in place "
+                        f"with .fill_()), or an optimizer hyperparameter"
+                    )
                 warnings.warn(
                     f"spmd.compile: compiling {getattr(self.fn, '__name__', 'the step')} again ({len(compiled) + 1} "
-                    f"graphs for this step): the traced code assumed {failed}. A hyperparameter that a code path "
-                    f"or a kernel takes as a constant recompiles on every change; when a scheduler changes betas or "
-                    f"momentum, prefer foreach=True",
+                    f"graphs for this step): {why}",
                     stacklevel=3,
                 )
             artifacts = self._compile(args, kwargs, model, optimizer, roles, specs, placements, locals_ + values)

@@ -21,7 +21,12 @@ recompiles                               another model, optimizer or submodule o
                                          arguments of the step; a hyperparameter value that
                                          breaks an assumption of the traced code (e.g.
                                          ``weight_decay`` from 0 to non-zero, or any value a
-                                         fused kernel took as a constant)
+                                         fused kernel took as a constant); a Python value
+                                         the trace read: a module attribute ``forward``
+                                         reads, a global or closure variable of the step
+                                         (``python_values.PythonGuards``)
+refused (``TraceError``)                 a tensor the step was not handed (a global tensor,
+                                         another module's)
 refused (``BatchError``)                 local batches of different shapes on different ranks
                                          (uneven or empty), a batch tensor without the plan's
                                          batch dim, batch tensors of different sizes along it
@@ -207,7 +212,7 @@ def _batch_problems(leaves: Sequence[torch.Tensor], plan: ResolvedPlan) -> list[
                     problems.append(
                         f"tensor arguments {first[1]} and {i} have {first[0]} and {size} rows on batch dim "
                         f"{placement.dim}; every tensor argument is split along it (pass per-step constants "
-                        f"such as class weights as module buffers or through a closure)"
+                        f"such as class weights as module buffers: model.register_buffer(name, tensor))"
                     )
     return problems
 

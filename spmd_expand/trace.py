@@ -48,6 +48,7 @@ from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from . import ops
 from .boundaries import mark_boundaries
+from .python_values import PythonGuards, code_reads, forward_functions, record_module_reads
 from .errors import TraceError, node_error, user_source_line
 from .loss_parallel import MarkLossParallel
 from .plans import MixedPrecision, ParamCast
@@ -198,6 +199,8 @@ class TracedStep:
     fake_mode: FakeTensorMode = field(repr=False)
     hyperparameters: list[HyperParameter] = field(default_factory=list)
     guards: HyperParameterGuards = field(default_factory=lambda: HyperParameterGuards([], [], []))
+    # Python values the trace read and baked in (module attributes, globals, closure variables).
+    python_guards: PythonGuards = field(default_factory=PythonGuards)
 
 
 # In-place fused optimizer ops whose C++ functionalization kernel cannot handle their list arguments
@@ -635,6 +638,7 @@ def trace_step(
         for p in g["params"]
     }
     outputs: list[OutputRole] = []
+    module_reads: list = []
     cleared_grads: list[str] = []
     return_spec: list[tuple[pytree.TreeSpec, list[bool]]] = []
 
@@ -675,7 +679,9 @@ def trace_step(
             ), mark_boundaries(model, module_layouts or {}), _cast_root_io(
                 model, mixed_precision.policy if mixed_precision else None
             ), mode:
-                result = fn(*call_args, **call_kwargs)
+                with record_module_reads(model) as reads:
+                    result = fn(*call_args, **call_kwargs)
+                module_reads[:] = reads
                 for original, wide, fqn, key in widened:
                     original.copy_(wide)
                     if optimizer.state[params[fqn]].get(key) is wide:
@@ -784,6 +790,7 @@ def trace_step(
         fake_mode,
         hyperparameters,
         _hyperparameter_guards(shape_env, symbols, hyperparameters),
+        PythonGuards(module_reads + code_reads([fn, *forward_functions(model)])),
     )
 
 

@@ -210,6 +210,63 @@ def new_model(i, pair):
         pair["optimizer"] = torch.optim.AdamW(pair["model"].parameters(), lr=1e-2)
 
 
+class Tempered(TwoLayer):
+    """Reads a Python float attribute in forward (a temperature a curriculum changes); ``seen`` is a
+    counter the loop keeps on the module and forward never reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.temperature = 1.0
+        self.seen = 0
+
+    def forward(self, x):
+        return super().forward(x) / self.temperature
+
+
+def change_temperature(i, pair):
+    pair["model"].temperature = 1.0 + 0.5 * (i % 2)  # 1.0, 1.5, 1.0, 1.5: two graphs
+
+
+def count_steps(i, pair):
+    pair["model"].seen += 1  # not read by the step: no new graph
+
+
+LOSS_SCALE = 1.0  # a global the step reads
+
+
+def global_scale_step(model, optimizer, x, y):
+    loss = F.cross_entropy(model(x), y) * LOSS_SCALE
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def change_global_scale(i, pair):
+    global LOSS_SCALE
+    LOSS_SCALE = 2.0 if i >= 2 else 1.0  # 1, 1, 2, 2: two graphs
+
+
+def _closure_scale():
+    scale = 1.0
+
+    def step(model, optimizer, x, y):
+        loss = F.cross_entropy(model(x), y) * scale
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    def between(i, pair):
+        nonlocal scale
+        scale = 0.5 if i == 1 else 1.0  # 1, 0.5, 1, 1: two graphs
+
+    return step, between
+
+
+_CLOSURE_STEP, _CHANGE_CLOSURE_SCALE = _closure_scale()
+
+
 def _deep_mlp():
     layers = []
     for _ in range(10):
@@ -248,6 +305,11 @@ SCENARIOS: dict[str, dict] = {
     "clip_grad_value": dict(step=clip_value_step),
     # Adam's default path on CPU (single-tensor) and foreach, 5 steps of a 10-layer MLP at lr 1e-2:
     # the traced update rounds like eager except for bias corrections computed in float32.
+    # Python values the step reads are baked into its graph: a change compiles again, never a stale graph.
+    "module_attribute": dict(model_fn=Tempered, between=change_temperature),
+    "module_attribute_not_read": dict(model_fn=Tempered, between=count_steps),
+    "global_scalar": dict(step=global_scale_step, between=change_global_scale),
+    "closure_scalar": dict(step=_CLOSURE_STEP, between=_CHANGE_CLOSURE_SCALE),
     "adam_single_tensor_deep": dict(model_fn=_deep_mlp, optimizer_fn=lambda ps: torch.optim.Adam(ps, lr=1e-2), steps=5),
     "adam_foreach_deep": dict(model_fn=_deep_mlp, optimizer_fn=lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True), steps=5),
 }

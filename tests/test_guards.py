@@ -143,3 +143,84 @@ def test_reset_compiles_again(fake_mesh):
     step(model, optimizer, x)
     assert step.last is not first
     assert sum(len(v) for v in step.cache.values()) == 1
+
+
+# ------------------------------------------------------------------ Python values the trace read
+
+NEGATIVE_SLOPE = 0.1  # read by a helper the step calls, not by the step itself
+
+
+def _leaky(h):
+    return torch.nn.functional.leaky_relu(h, NEGATIVE_SLOPE)
+
+
+def _helper_step(model, optimizer, x):
+    loss = _leaky(model(x)).square().mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_global_read_by_a_called_function_recompiles_with_a_warning(fake_mesh):
+    """A global read two calls deep is baked in (a constant of leaky_relu): a change compiles again and
+    the warning names it; the old value's graph is reused when the value comes back."""
+    global NEGATIVE_SLOPE
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(_helper_step)
+    x = torch.randn(2, 8)
+    try:
+        step(model, optimizer, x)
+        first = step.last
+        slopes = {n.args[1] for n in first.traced.graph_module.graph.nodes if "leaky_relu" in str(n.target)}
+        assert 0.1 in slopes
+        NEGATIVE_SLOPE = 0.2
+        with pytest.warns(UserWarning, match=r"global NEGATIVE_SLOPE of test_guards == 0.1 \(now 0.2\)"):
+            step(model, optimizer, x)
+        assert step.last is not first
+        NEGATIVE_SLOPE = 0.1
+        step(model, optimizer, x)
+        assert step.last is first
+    finally:
+        NEGATIVE_SLOPE = 0.1
+
+
+def test_module_attribute_reads_are_recorded_and_classes_restored(fake_mesh):
+    """Only attributes forward reads are guarded (not a counter kept on the module); every module gets
+    its own class back after tracing, also when tracing fails."""
+
+    class Scaled(Net):
+        def __init__(self):
+            super().__init__()
+            self.factor = 2.0
+            self.calls = 0
+
+        def forward(self, x):
+            return super().forward(x) * self.factor
+
+    torch.manual_seed(0)
+    model = Scaled()
+    classes = [type(m) for m in model.modules()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(_step)
+    x = torch.randn(2, 8)
+    step(model, optimizer, x)
+    assert [type(m) for m in model.modules()] == classes
+    described = [v.description for v in step.last.traced.python_guards.values]
+    assert "attribute factor of the model" in described and not any("calls" in d for d in described), described
+    first = step.last
+    model.calls += 1
+    step(model, optimizer, x)
+    assert step.last is first
+    model.factor = 3.0
+    step(model, optimizer, x)
+    assert step.last is not first
+
+    def failing(model, optimizer, x):
+        raise RuntimeError("boom")
+
+    with pytest.raises(spmd.TraceError):
+        spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(failing)(model, optimizer, x)
+    assert [type(m) for m in model.modules()] == classes

@@ -33,6 +33,7 @@ ONE_COMPILATION = [
     "betas_weight_decay_eps",
     "clip_grad_norm",
     "adam_foreach_deep",
+    "module_attribute_not_read",
 ]
 
 
@@ -100,6 +101,10 @@ def test_recompiles_where_structure_changes(results):
     assert r["freeze_unfreeze"] == 2
     assert r["new_optimizer"] == 3  # AdamW, then SGD's first-call and steady-state graphs
     assert r["new_model"] == 2
+    # A Python value the trace read changed: one graph per value seen, reused when a value returns.
+    assert r["module_attribute"] == 2
+    assert r["global_scalar"] == 2
+    assert r["closure_scalar"] == 2
 
 
 def test_refused_batches():

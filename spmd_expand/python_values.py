@@ -1,0 +1,256 @@
+"""Python values a traced step read, checked on every call: a compiled graph bakes them in.
+
+``make_fx`` runs the step's Python once. Every Python number, string or flag it reads on the way
+(a module's ``self.p`` or ``self.temperature``, a global ``ALPHA``, a closure's ``scale``) becomes a
+constant of the graph or chooses a code path, and the graph would keep that value when the user
+changes it between steps: a silent wrong answer. So every such value is recorded at trace time and
+compared on every call (:meth:`PythonGuards.check`); a changed value compiles the step again (with a
+warning that names it), as ``torch.compile`` recompiles when a global or an attribute it guarded on
+changes (Dynamo's ``GlobalSource`` / ``AttrSource`` guards).
+
+What is recorded:
+
+* **module attributes**, exactly those read: while the step is traced, every module of the model is
+  given a subclass of its class (same name) whose ``__getattribute__`` notes each attribute read whose
+  value is a Python scalar (``bool``, ``int``, ``float``, ``complex``, ``str``, ``None``,
+  ``torch.dtype``, ``torch.device``, or a tuple of those). ``nn.Module``'s own bookkeeping
+  (``training``, hooks) is left out: :func:`spmd_expand.guards.snapshot` covers it;
+* **globals and closure variables**, by reading the code: the names the step function loads as
+  globals or from closure cells (``LOAD_GLOBAL`` / ``LOAD_DEREF``), in its nested functions, in the
+  Python functions it reaches that way, and in the ``forward`` of each module class, whose values are
+  such scalars; library code (torch, site-packages) is not followed.
+
+Not recorded: attributes of other objects (``self.config.x`` of a HuggingFace config), values read
+through ``__dict__``, and Python state the step *writes* (``global STEP; STEP += 1`` runs once, at
+trace time, unless the step compiles again). Tensors are never baked: a tensor the step reads must be
+an input (:func:`spmd_expand.trace.trace_step` refuses the rest).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dis
+import operator
+import sys
+import types
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.nn as nn
+
+__all__ = ["PythonGuards", "PythonValue", "record_module_reads", "code_reads"]
+
+_SCALAR_TYPES = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
+_MISSING = object()
+
+
+def is_scalar(value: Any) -> bool:
+    """Whether ``value`` is a Python value a trace bakes in and this module compares by value."""
+    if type(value) in _SCALAR_TYPES:
+        return True
+    return type(value) is tuple and all(is_scalar(v) for v in value)
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a is b or (type(a) is type(b) and a == b)
+
+
+@dataclass(frozen=True)
+class PythonValue:
+    """One recorded read: ``description`` names it (``"attribute drop.p of the model"``), ``read()``
+    returns its current value (``_MISSING`` when it is gone), ``value`` is the traced one."""
+
+    description: str
+    read: Callable[[], Any]
+    value: Any
+
+
+@dataclass
+class PythonGuards:
+    """The Python values one trace read (:class:`PythonValue`), checked on every call."""
+
+    values: list[PythonValue] = field(default_factory=list)
+
+    def check(self) -> Optional[str]:
+        """None when every value is what the trace read, else the first changed one, described."""
+        for v in self.values:
+            now = v.read()
+            if not _same(now, v.value):
+                shown = "<deleted>" if now is _MISSING else repr(now)
+                return f"{v.description} == {v.value!r} (now {shown})"
+        return None
+
+
+# ---------------------------------------------------------------------------------------- module reads
+
+# Attributes of nn.Module itself (its bookkeeping: hooks, ``training``, ``_compiled_call_impl``, ...).
+_MODULE_OWN = frozenset(nn.Module().__dict__) | frozenset(dir(nn.Module))
+_recorders: list[dict] = []
+_recording_classes: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictionary()
+
+
+def _recording_class(cls: type) -> Optional[type]:
+    """A subclass of ``cls`` (same name) that notes scalar attribute reads; None if ``cls`` refuses one."""
+    sub = _recording_classes.get(cls)
+    if sub is None:
+        get = cls.__getattribute__
+
+        def __getattribute__(self, name: str, _get=get) -> Any:
+            value = _get(self, name)
+            if _recorders and name not in _MODULE_OWN and is_scalar(value):
+                _recorders[-1].setdefault((id(self), name), (self, name, value))
+            return value
+
+        try:
+            sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__,
+                                              "__qualname__": cls.__qualname__, "_spmd_recording_of": cls})
+        except Exception:  # noqa: BLE001 - a class that cannot be subclassed keeps its reads unrecorded
+            return None
+        _recording_classes[cls] = sub
+    return sub
+
+
+@contextlib.contextmanager
+def record_module_reads(model: nn.Module) -> Iterator[list]:
+    """While inside, note every scalar attribute read of ``model``'s modules; yields a list that holds,
+    on exit, one :class:`PythonValue` per (module, attribute) read, with the value first read."""
+    names: dict[int, str] = {}
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), fqn)
+    swapped = []
+    reads: dict = {}
+    result: list[PythonValue] = []
+    try:
+        for module in model.modules():
+            cls = type(module)
+            sub = _recording_class(cls)
+            if sub is None:
+                continue
+            try:
+                module.__class__ = sub
+            except TypeError:  # a layout __class__ assignment refuses (slots): not recorded
+                continue
+            swapped.append((module, cls))
+        _recorders.append(reads)
+        yield result
+    finally:
+        if _recorders and _recorders[-1] is reads:
+            _recorders.pop()
+        for module, cls in swapped:
+            module.__class__ = cls
+    by_module: dict[int, list] = {}
+    for module, name, value in reads.values():
+        by_module.setdefault(id(module), [module, []])[1].append((name, value))
+    for module, pairs in by_module.values():
+        fqn = names.get(id(module), "?")
+        where = f"attribute {fqn + '.' if fqn else ''}{{}} of the model"
+        for name, value in pairs:
+            result.append(PythonValue(where.format(name), _attribute_reader(module, name), value))
+
+
+def _attribute_reader(module: nn.Module, name: str) -> Callable[[], Any]:
+    ref = weakref.ref(module)
+    get = operator.attrgetter(name)
+
+    def read() -> Any:
+        m = ref()
+        if m is None:
+            return _MISSING
+        try:
+            return get(m)
+        except AttributeError:
+            return _MISSING
+
+    return read
+
+
+# ---------------------------------------------------------------------------------------- code reads
+
+
+def _is_library(code: types.CodeType) -> bool:
+    path = code.co_filename.replace("\\", "/")
+    return (
+        "/site-packages/" in path or "/dist-packages/" in path or "/torch/" in path
+        or "/spmd_expand/" in path or path.startswith("<")
+        or path.startswith(sys.prefix) or path.startswith(sys.base_prefix)
+    )
+
+
+def _loads(code: types.CodeType) -> Iterator[tuple[str, str]]:
+    """("global" | "cell", name) for each name ``code`` and its nested code objects load."""
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        for ins in dis.get_instructions(c):
+            if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+                yield "global", ins.argval
+            elif ins.opname in ("LOAD_DEREF", "LOAD_CLASSDEREF"):
+                yield "cell", ins.argval
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+
+
+def code_reads(functions: list[Callable], depth: int = 4) -> list[PythonValue]:
+    """The scalar globals and closure variables the user's ``functions`` read (see the module doc)."""
+    result: list[PythonValue] = []
+    seen_code: set = set()
+    seen_value: set = set()
+    todo = [(f, 0) for f in functions]
+    while todo:
+        fn, level = todo.pop()
+        fn = getattr(fn, "__func__", fn)  # bound methods
+        code = getattr(fn, "__code__", None)
+        if not isinstance(fn, types.FunctionType) or code is None or code in seen_code or _is_library(code):
+            continue
+        seen_code.add(code)
+        cells = dict(zip(code.co_freevars, fn.__closure__ or ()))
+        for kind, name in _loads(code):
+            if kind == "global":
+                scope = fn.__globals__
+                if name not in scope:
+                    continue
+                value, key = scope[name], (id(scope), name)
+                read = _global_reader(scope, name)
+                label = f"global {name} of {fn.__module__}"
+            else:
+                cell = cells.get(name)
+                if cell is None:
+                    continue
+                try:
+                    value = cell.cell_contents
+                except ValueError:  # an empty cell (assigned later in the enclosing function)
+                    continue
+                key, read, label = (id(cell), name), _cell_reader(cell), f"closure variable {name} of {fn.__qualname__}"
+            if is_scalar(value):
+                if key not in seen_value:
+                    seen_value.add(key)
+                    result.append(PythonValue(label, read, value))
+            elif isinstance(value, (types.FunctionType, types.MethodType)) and level < depth:
+                todo.append((value, level + 1))
+    return result
+
+
+def _global_reader(scope: dict, name: str) -> Callable[[], Any]:
+    return lambda: scope.get(name, _MISSING)
+
+
+def _cell_reader(cell: types.CellType) -> Callable[[], Any]:
+    def read() -> Any:
+        try:
+            return cell.cell_contents
+        except ValueError:
+            return _MISSING
+
+    return read
+
+
+def forward_functions(model: nn.Module) -> list[Callable]:
+    """The ``forward`` function of each distinct module class of ``model`` (and of an instance-level
+    ``forward``), for :func:`code_reads`."""
+    found: dict[int, Callable] = {}
+    for module in model.modules():
+        fn = module.__dict__.get("forward") or getattr(type(module), "forward", None)
+        if fn is not None:
+            found.setdefault(id(getattr(fn, "__func__", fn)), fn)
+    return list(found.values())
