@@ -484,12 +484,7 @@ class CompiledStep:
                         f"prefer foreach=True"
                     )
                 else:
-                    why = (
-                        f"the trace read the Python value {last.python_guards.check()}, which the graph bakes in. "
-                        f"A value that changes every step recompiles every step: keep it in a tensor the step is "
-                        f"handed (a buffer: model.register_buffer(name, torch.tensor(value)), updated in place "
-                        f"with .fill_()), or an optimizer hyperparameter"
-                    )
+                    why = last.python_guards.check()
                 warnings.warn(
                     f"spmd.compile: compiling {getattr(self.fn, '__name__', 'the step')} again ({len(compiled) + 1} "
                     f"graphs for this step): {why}",

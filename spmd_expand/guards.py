@@ -24,7 +24,8 @@ recompiles                               another model, optimizer or submodule o
                                          fused kernel took as a constant); a Python value
                                          the trace read: a module attribute ``forward``
                                          reads, a global or closure variable of the step
-                                         (``python_values.PythonGuards``)
+                                         (``python_values.PythonGuards``); torch's global
+                                         state (``torch.autocast``, default dtype, ...)
 refused (``TraceError``)                 a tensor the step was not handed (a global tensor,
                                          another module's)
 refused (``BatchError``)                 local batches of different shapes on different ranks

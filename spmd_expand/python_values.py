@@ -20,6 +20,10 @@ What is recorded:
   Python functions it reaches that way, and in the ``forward`` of each module class, whose values are
   such scalars; library code (torch, site-packages) is not followed.
 
+torch's global state (autocast, default dtype, ...) is compared too, with torch's own
+``GlobalStateGuard`` (:class:`GlobalState`): a step traced under ``torch.autocast`` is not reused
+outside it.
+
 Not recorded: attributes of other objects (``self.config.x`` of a HuggingFace config), values read
 through ``__dict__``, and Python state the step *writes* (``global STEP; STEP += 1`` runs once, at
 trace time, unless the step compiles again). Tensors are never baked: a tensor the step reads must be
@@ -40,7 +44,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 
-__all__ = ["PythonGuards", "PythonValue", "record_module_reads", "code_reads"]
+__all__ = ["GlobalState", "PythonGuards", "PythonValue", "code_reads", "forward_functions", "record_module_reads"]
 
 _SCALAR_TYPES = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
 _MISSING = object()
@@ -67,19 +71,52 @@ class PythonValue:
     value: Any
 
 
+class GlobalState:
+    """torch's global state a trace ran under (autocast per device type and its dtype, default dtype,
+    deterministic algorithms, TF32/reduced-precision matmul flags, intra-op threads): torch's own
+    ``torch._C._dynamo.guards.GlobalStateGuard``, the check behind Dynamo's global-state guard. Grad
+    mode is taken as off on both sides (the compiled step sets it itself)."""
+
+    def __init__(self) -> None:
+        with torch.no_grad():
+            self._guard = torch._C._dynamo.guards.GlobalStateGuard()
+
+    def reason(self) -> Optional[str]:
+        """None when the current state is the traced one, else what differs (torch's words)."""
+        with torch.no_grad():
+            if self._guard.check():
+                return None
+            return self._guard.reason().strip() or "global state"
+
+
 @dataclass
 class PythonGuards:
-    """The Python values one trace read (:class:`PythonValue`), checked on every call."""
+    """What one trace read from outside its inputs, checked on every call: Python values
+    (:class:`PythonValue`) and torch's global state (:class:`GlobalState`)."""
 
     values: list[PythonValue] = field(default_factory=list)
+    global_state: Optional[GlobalState] = None
 
     def check(self) -> Optional[str]:
-        """None when every value is what the trace read, else the first changed one, described."""
+        """None when everything is as traced, else what changed, as a sentence for a warning."""
+        if self.global_state is not None:
+            changed = self.global_state.reason()
+            if changed is not None:
+                return (
+                    f"torch's global state differs from the one the step was traced under ({changed}: "
+                    f"torch.autocast, the default dtype, deterministic algorithms, matmul precision or the "
+                    f"number of threads); one graph is kept per state"
+                )
         for v in self.values:
             now = v.read()
             if not _same(now, v.value):
                 shown = "<deleted>" if now is _MISSING else repr(now)
-                return f"{v.description} == {v.value!r} (now {shown})"
+                return (
+                    f"the trace read the Python value {v.description} == {v.value!r} (now {shown}), which the "
+                    f"graph bakes in. A value that changes every step recompiles every step: keep it in a "
+                    f"tensor the step is handed (a buffer: model.register_buffer(name, torch.tensor(value)), "
+                    f"updated in place with .fill_()), or an optimizer hyperparameter"
+                )
         return None
 
 

@@ -48,7 +48,7 @@ from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from . import ops
 from .boundaries import mark_boundaries
-from .python_values import PythonGuards, code_reads, forward_functions, record_module_reads
+from .python_values import GlobalState, PythonGuards, code_reads, forward_functions, record_module_reads
 from .errors import TraceError, node_error, user_source_line
 from .loss_parallel import MarkLossParallel
 from .plans import MixedPrecision, ParamCast
@@ -613,6 +613,7 @@ def trace_step(
     # make_fx keeps the stack traces of frames inside nn.Module.forward only; the step's own lines
     # (the loss, the optimizer call) are kept when its function is registered as an anchor.
     torch.fx.proxy._register_stack_trace_anchor(fn)
+    global_state = GlobalState()  # before tracing changes grad mode or anything else
     fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
     shape_env = fake_mode.shape_env
     fakes = [_fake(fake_mode, s) for s in input_specs]
@@ -790,7 +791,7 @@ def trace_step(
         fake_mode,
         hyperparameters,
         _hyperparameter_guards(shape_env, symbols, hyperparameters),
-        PythonGuards(module_reads + code_reads([fn, *forward_functions(model)])),
+        PythonGuards(module_reads + code_reads([fn, *forward_functions(model)]), global_state),
     )
 
 

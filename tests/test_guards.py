@@ -224,3 +224,27 @@ def test_module_attribute_reads_are_recorded_and_classes_restored(fake_mesh):
     with pytest.raises(spmd.TraceError):
         spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(failing)(model, optimizer, x)
     assert [type(m) for m in model.modules()] == classes
+
+
+def test_a_step_traced_under_autocast_is_not_reused_outside_it(fake_mesh):
+    """torch's global state (here autocast) is part of what a graph assumed: the bf16 graph traced
+    inside ``torch.autocast`` is not run outside it, and comes back when autocast does."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(_step)
+    x = torch.randn(2, 8)
+
+    def bf16_nodes(artifacts):
+        return [n for n in artifacts.traced.graph_module.graph.nodes if getattr(n.meta.get("val"), "dtype", None) == torch.bfloat16]
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        step(model, optimizer, x)
+    mixed = step.last
+    assert bf16_nodes(mixed)
+    with pytest.warns(UserWarning, match=r"global state differs .*autocast\(cpu\)_enabled"):
+        step(model, optimizer, x)
+    assert step.last is not mixed and not bf16_nodes(step.last)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        step(model, optimizer, x)
+    assert step.last is mixed
