@@ -13,7 +13,7 @@ What is recorded:
 * **module attributes**, exactly those read: while the step is traced, every module of the model is
   given a subclass of its class (same name) whose ``__getattribute__`` notes each attribute read whose
   value is a Python scalar (``bool``, ``int``, ``float``, ``complex``, ``str``, ``None``,
-  ``torch.dtype``, ``torch.device``, or a tuple of those). ``nn.Module``'s own bookkeeping
+  ``torch.dtype``, ``torch.device``, or a tuple, list or dict of those, copied). ``nn.Module``'s own bookkeeping
   (``training``, hooks) is left out: :func:`spmd_expand.guards.snapshot` covers it;
 * **globals and closure variables**, by reading the code: the names the step function loads as
   globals or from closure cells (``LOAD_GLOBAL`` / ``LOAD_DEREF``), in its nested functions, in the
@@ -51,10 +51,25 @@ _MISSING = object()
 
 
 def is_scalar(value: Any) -> bool:
-    """Whether ``value`` is a Python value a trace bakes in and this module compares by value."""
-    if type(value) in _SCALAR_TYPES:
+    """Whether ``value`` is a Python value a trace bakes in and this module compares by value: a
+    scalar, or a tuple, list or dict (str keys) of them."""
+    kind = type(value)
+    if kind in _SCALAR_TYPES:
         return True
-    return type(value) is tuple and all(is_scalar(v) for v in value)
+    if kind is tuple or kind is list:
+        return all(is_scalar(v) for v in value)
+    if kind is dict:
+        return all(type(k) is str and is_scalar(v) for k, v in value.items())
+    return False
+
+
+def _frozen(value: Any) -> Any:
+    """A copy of a value :func:`is_scalar` accepts that later in-place changes of it cannot reach."""
+    if type(value) is list:
+        return [_frozen(v) for v in value]
+    if type(value) is dict:
+        return {k: _frozen(v) for k, v in value.items()}
+    return value
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -137,7 +152,7 @@ def _recording_class(cls: type) -> Optional[type]:
         def __getattribute__(self, name: str, _get=get) -> Any:
             value = _get(self, name)
             if _recorders and name not in _MODULE_OWN and is_scalar(value):
-                _recorders[-1].setdefault((id(self), name), (self, name, value))
+                _recorders[-1].setdefault((id(self), name), (self, name, _frozen(value)))
             return value
 
         try:
@@ -262,7 +277,7 @@ def code_reads(functions: list[Callable], depth: int = 4) -> list[PythonValue]:
             if is_scalar(value):
                 if key not in seen_value:
                     seen_value.add(key)
-                    result.append(PythonValue(label, read, value))
+                    result.append(PythonValue(label, read, _frozen(value)))
             elif isinstance(value, (types.FunctionType, types.MethodType)) and level < depth:
                 todo.append((value, level + 1))
     return result

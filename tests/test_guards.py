@@ -248,3 +248,29 @@ def test_a_step_traced_under_autocast_is_not_reused_outside_it(fake_mesh):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         step(model, optimizer, x)
     assert step.last is mixed
+
+
+def test_a_list_attribute_changed_in_place_compiles_again(fake_mesh):
+    """A list of numbers forward reads is compared by value (a copy is kept): ``model.mix[1] = ...``
+    changes the graph's constants."""
+
+    class Mixed(Net):
+        def __init__(self):
+            super().__init__()
+            self.mix = [1.0, 0.5]
+
+        def forward(self, x):
+            out = super().forward(x)
+            return out * self.mix[0] + out.square() * self.mix[1]
+
+    torch.manual_seed(0)
+    model = Mixed()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(_step)
+    x = torch.randn(2, 8)
+    step(model, optimizer, x)
+    first = step.last
+    model.mix[1] = 0.25
+    with pytest.warns(UserWarning, match=r"attribute mix of the model == \[1.0, 0.5\] \(now \[1.0, 0.25\]\)"):
+        step(model, optimizer, x)
+    assert step.last is not first
