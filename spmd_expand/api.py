@@ -145,6 +145,11 @@ def distribute_state(
             continue
         dt = _distribute(p.detach(), mesh, plan.param_placements(fqn, p))
         new[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
+        # The user's gradient hooks go with the parameter (the same dicts: their handles still remove them).
+        if p._backward_hooks:
+            new[id(p)]._backward_hooks = p._backward_hooks
+        if getattr(p, "_post_accumulate_grad_hooks", None):
+            new[id(p)]._post_accumulate_grad_hooks = p._post_accumulate_grad_hooks
     fqn_of = {id(p): fqn for fqn, p in model.named_parameters()}
     if optimizer is not None:
         for p, st in optimizer.state.items():

@@ -25,7 +25,9 @@ recompiles                               another model, optimizer or submodule o
                                          the trace read: a module attribute ``forward``
                                          reads, a global or closure variable of the step
                                          (``python_values.PythonGuards``); torch's global
-                                         state (``torch.autocast``, default dtype, ...)
+                                         state (``torch.autocast``, default dtype, ...); a
+                                         hook added or removed (module, parameter, optimizer,
+                                         global)
 refused (``TraceError``)                 a tensor the step was not handed (a global tensor,
                                          another module's)
 refused (``BatchError``)                 local batches of different shapes on different ranks
@@ -36,6 +38,7 @@ refused (``BatchError``)                 local batches of different shapes on di
 
 from __future__ import annotations
 
+import itertools
 import operator
 import weakref
 import zlib
@@ -80,6 +83,38 @@ def _setting(value: Any) -> Any:
     return value if isinstance(value, (int, str, bool, type(None))) else repr(value)
 
 
+_MODULE_HOOKS = operator.attrgetter("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_TENSOR_HOOKS = operator.attrgetter("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def hooks(modules: Sequence[nn.Module], params: Sequence[torch.Tensor], optimizer: Optional[torch.optim.Optimizer]) -> tuple[list, list]:
+    """The hooks a traced step runs: (the non-empty hook dicts and their callables, by identity; the
+    dicts' sizes).
+
+    Places: each module's forward-pre / forward / backward-pre / backward hooks, each parameter's
+    gradient hooks (``register_hook``) and post-accumulate-grad hooks, the optimizer's step pre/post
+    hooks, and torch's global module and optimizer hooks. A hook added or removed between calls is a
+    new graph (the trace ran the hooks that were there); Dynamo guards on the same dicts. Each dict
+    belongs to one place, so its identity says where a hook is. C-level iteration (``attrgetter``,
+    ``chain``, ``filter``): about 0.3 us per parameter.
+    """
+    import torch.nn.modules.module as module_hooks
+    import torch.optim.optimizer as optimizer_hooks
+
+    places = [
+        module_hooks._global_forward_pre_hooks, module_hooks._global_forward_hooks,
+        module_hooks._global_backward_pre_hooks, module_hooks._global_backward_hooks,
+    ]
+    if optimizer is not None:
+        places += (
+            optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks,
+            optimizer_hooks._global_optimizer_pre_hooks, optimizer_hooks._global_optimizer_post_hooks,
+        )
+    chain = itertools.chain.from_iterable
+    dicts = list(filter(None, itertools.chain(places, chain(map(_MODULE_HOOKS, modules)), chain(map(_TENSOR_HOOKS, params)))))
+    return dicts + [h for d in dicts for h in d.values()], [len(d) for d in dicts]
+
+
 def cache_key(
     ids: ObjectIds,
     model: nn.Module,
@@ -117,7 +152,9 @@ def cache_key(
             (fqn_of.get(id(p), "?"), tuple((k, _setting(v)) for k, v in st.items() if not isinstance(v, torch.Tensor)))
             for p, st in optimizer.state.items()
         )
-    return (ids(model), ids(optimizer), modules, requires_grad, groups, state, inputs, constants, gradient_sync)
+    hook_objects, hook_counts = hooks(list(model.modules()), list(model.parameters()), optimizer)
+    hook_key = (tuple(id(h) if isinstance(h, dict) else ids(h) for h in hook_objects), tuple(hook_counts))
+    return (ids(model), ids(optimizer), modules, requires_grad, groups, state, inputs, constants, gradient_sync, hook_key)
 
 
 @dataclass
@@ -173,6 +210,9 @@ def snapshot(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Sn
     values += [p.grad is None for p in params]
     values += [p.shape for p in params]
     values += [(b.shape, b.dtype) for b in buffers]
+    hook_objects, hook_counts = hooks(modules, params, optimizer)
+    objects += hook_objects
+    values += hook_counts
     if optimizer is not None:
         groups = optimizer.param_groups
         objects += [groups, optimizer.state, *groups]

@@ -557,6 +557,16 @@ def _optimizer_on(
             group.update(settings)
 
 
+def _copy_tensor_hooks(real: torch.Tensor, traced: torch.Tensor) -> None:
+    """Register ``real``'s gradient hooks (``register_hook``) and post-accumulate-grad hooks on the
+    tensor that stands for it while tracing, so the graph does what they do, to the gradient of the
+    global batch (the single-device meaning; torch DDP runs them on each rank's unreduced gradient)."""
+    for hook in (real._backward_hooks or {}).values():
+        traced.register_hook(hook)
+    for hook in (getattr(real, "_post_accumulate_grad_hooks", None) or {}).values():
+        traced.register_post_accumulate_grad_hook(hook)
+
+
 def _fake(fake_mode: FakeTensorMode, spec: TensorSpec) -> torch.Tensor:
     # Only metadata is read; on CPU untouched pages of an empty tensor cost no memory.
     template = torch.empty(spec.shape, dtype=spec.dtype, device=spec.device)
@@ -647,6 +657,8 @@ def trace_step(
         by_role = dict(zip(input_roles, flat))
         hp_values = flat[len(input_roles):]
         params = {r.fqn: nn.Parameter(t, requires_grad=real_params[r.fqn].requires_grad) for r, t in by_role.items() if r.kind == "param"}
+        for fqn, p in params.items():
+            _copy_tensor_hooks(real_params[fqn], p)
         buffers = {r.fqn: t for r, t in by_role.items() if r.kind == "buffer"}
         swap = {id(real_params[fqn]): p for fqn, p in params.items()}
         mode = _StepMode(

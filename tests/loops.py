@@ -267,6 +267,40 @@ def _closure_scale():
 _CLOSURE_STEP, _CHANGE_CLOSURE_SCALE = _closure_scale()
 
 
+def _halve(grad):
+    return grad * 0.5
+
+
+def _scale_output(module, inputs, output):
+    return output * 0.5
+
+
+def _clip_accumulated(param):
+    param.grad.clamp_(-0.01, 0.01)
+
+
+def gradient_hooks(i, pair):
+    """A gradient hook before the first call (on the plain parameter), another after two calls
+    (on the parameter spmd_expand made a DTensor)."""
+    model = pair["model"]
+    if i == 0:
+        model.fc1.weight.register_hook(_halve)
+    if i == 2:
+        model.fc2.bias.register_hook(_halve)
+
+
+def forward_hook_added(i, pair):
+    if i == 2:
+        pair["hook"] = pair["model"].fc2.register_forward_hook(_scale_output)
+    if i == 3:
+        pair["hook"].remove()  # back to the first graph
+
+
+def post_accumulate_grad_hook(i, pair):
+    if i == 0:
+        pair["model"].fc1.weight.register_post_accumulate_grad_hook(_clip_accumulated)
+
+
 def _deep_mlp():
     layers = []
     for _ in range(10):
@@ -310,6 +344,10 @@ SCENARIOS: dict[str, dict] = {
     "module_attribute_not_read": dict(model_fn=Tempered, between=count_steps),
     "global_scalar": dict(step=global_scale_step, between=change_global_scale),
     "closure_scalar": dict(step=_CLOSURE_STEP, between=_CHANGE_CLOSURE_SCALE),
+    # Hooks run inside the traced step; one added or removed between calls compiles again.
+    "gradient_hooks": dict(optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1), between=gradient_hooks),
+    "forward_hook_added": dict(between=forward_hook_added),
+    "post_accumulate_grad_hook": dict(optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1), between=post_accumulate_grad_hook),
     "adam_single_tensor_deep": dict(model_fn=_deep_mlp, optimizer_fn=lambda ps: torch.optim.Adam(ps, lr=1e-2), steps=5),
     "adam_foreach_deep": dict(model_fn=_deep_mlp, optimizer_fn=lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True), steps=5),
 }

@@ -18,7 +18,7 @@ RTOL, ATOL = 1e-4, 1e-5
 
 DDP = list(loops.SCENARIOS)
 CLIP = ["clip_grad_norm", "clip_grad_value", "grads_through_module", "zero_grad_set_to_none_false"]
-FSDP = CLIP + ["step_lr", "one_cycle_adam_foreach", "freeze_unfreeze", "zero_grad_first"]
+FSDP = CLIP + ["gradient_hooks", "forward_hook_added", "step_lr", "one_cycle_adam_foreach", "freeze_unfreeze", "zero_grad_first"]
 TP = CLIP + ["cosine", "train_eval"]
 TWO_D = ["clip_grad_norm", "grads_through_module"]
 
@@ -105,6 +105,9 @@ def test_recompiles_where_structure_changes(results):
     assert r["module_attribute"] == 2
     assert r["global_scalar"] == 2
     assert r["closure_scalar"] == 2
+    assert r["gradient_hooks"] == 2  # hooks on fc1 only, then on fc1 and fc2
+    assert r["forward_hook_added"] == 2  # without, with, then without again (cached)
+    assert r["post_accumulate_grad_hook"] == 1
 
 
 def test_refused_batches():
