@@ -607,6 +607,7 @@ class _GraphCompiler:
             module_override=(),
             redistribute_cache=RedistributeCache(),
             out_placements=out_placements,
+            parameter_hooks=False,  # eager autograd runs them on the DTensor gradients this returns
             num_tangents=len(diff_outputs) if joint else 0,
             num_forward_outputs=len(outputs),
         )

@@ -193,6 +193,7 @@ def expand_step(
     keep_graphs: bool = False,
     out_placements: Optional[Callable[[TracedStep], list]] = None,
     timeout: Optional[timedelta] = None,
+    parameter_hooks: bool = True,
 ) -> StepArtifacts:
     """Run the stages up to the local passes (not lower) and return what they produced.
 
@@ -202,7 +203,9 @@ def expand_step(
     gradient must be reduced to; ``out_placements(traced)`` the placements of every graph output
     (default :func:`~spmd_expand.annotate.output_placements`: returns replicated, gradients and
     states per the plan). ``timeout`` bounds the cross-rank check's wait (default: the store's). The
-    returned artifacts have no runner yet.
+    returned artifacts have no runner yet. ``parameter_hooks``: run the parameters' gradient hooks in
+    the trace (``spmd.compile``); False where eager autograd runs them on the gradients the graph
+    returns (the ``torch.compile`` backend).
 
     Raises:
         TraceError, UnsupportedOpError, PlacementError, PassError: from the stage that failed.
@@ -211,7 +214,8 @@ def expand_step(
     params = dict(model.named_parameters())
     with clock.stage("trace"), _overrides(model, module_override), traceable_batch_norms(model):
         traced = trace_step(
-            fn, args, kwargs, model, optimizer, roles, specs, plan.module_layouts(), plan.mixed_precision(model)
+            fn, args, kwargs, model, optimizer, roles, specs, plan.module_layouts(), plan.mixed_precision(model),
+            parameter_hooks=parameter_hooks,
         )
 
     context = PassContext(mesh=mesh, plan=plan, traced=traced)

@@ -599,6 +599,7 @@ def trace_step(
     input_specs: list[TensorSpec],
     module_layouts: Optional[Mapping[str, list]] = None,
     mixed_precision: Optional[MixedPrecision] = None,
+    parameter_hooks: bool = True,
 ) -> TracedStep:
     """Trace ``fn(*args, **kwargs)`` into a functional global graph.
 
@@ -608,6 +609,8 @@ def trace_step(
             where ``layout`` markers go (tensor-parallel module boundaries).
         mixed_precision: parameters read in another dtype and the root's input/output casts
             (:meth:`spmd_expand.plans.ResolvedPlan.mixed_precision`); None: none.
+        parameter_hooks: register each parameter's gradient and post-accumulate-grad hooks on the
+            tensor that stands for it, so the trace runs them (False: the caller's autograd runs them).
         input_roles / input_specs: one entry per graph input, with global shapes. Batch inputs
             (``kind == "batch"``, ``key`` = index among the tensor leaves of ``(args, kwargs)``) take
             the place of those leaves; param/buffer/grad/state inputs replace the model's and
@@ -657,7 +660,7 @@ def trace_step(
         by_role = dict(zip(input_roles, flat))
         hp_values = flat[len(input_roles):]
         params = {r.fqn: nn.Parameter(t, requires_grad=real_params[r.fqn].requires_grad) for r, t in by_role.items() if r.kind == "param"}
-        for fqn, p in params.items():
+        for fqn, p in params.items() if parameter_hooks else ():
             _copy_tensor_hooks(real_params[fqn], p)
         buffers = {r.fqn: t for r, t in by_role.items() if r.kind == "buffer"}
         swap = {id(real_params[fqn]): p for fqn, p in params.items()}

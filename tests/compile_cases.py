@@ -31,6 +31,16 @@ class Loop:
     batch: Callable[[torch.Generator], tuple]
     loss: Callable[..., torch.Tensor]  # loss(model_callable, *batch) -> scalar
     tp: dict | Callable[[nn.Module], dict] | None = None  # a TP plan, or how to read one from the model
+    setup: Callable[[nn.Module], None] | None = None  # run on the model and on its reference copy
+
+
+def _halve(grad):
+    return grad * 0.5
+
+
+def _gradient_hooks(model):
+    """A gradient hook on a parameter, registered before spmd.parallelize (which makes it a DTensor)."""
+    model.fc1.weight.register_hook(_halve)
 
 
 def _tokens(g):
@@ -121,6 +131,7 @@ LOOPS = {
     "graph_break_accumulate": Loop(lambda: torch.manual_seed(0) and BreakMLP(), _xy, _two_shapes_accumulated),
     "llama": Loop(_llama, _llama_tokens, _llama_loss, lambda m: spmd.TensorParallel.from_huggingface(m).plan),
     "t5": Loop(_t5, _t5_batch, _t5_loss),
+    "gradient_hook": Loop(lambda: torch.manual_seed(0) and BreakMLP(), _xy, _ce, setup=_gradient_hooks),
 }
 
 
@@ -136,6 +147,8 @@ def run_loop(name: str, plan_name: str, mesh, steps: int, lower: str = "eager") 
     torch.manual_seed(0)
     model = loop.model()
     reference = copy.deepcopy(model)
+    for m in (model, reference) if loop.setup is not None else ():
+        loop.setup(m)
     plan = PLANS[plan_name][1](loop.tp(model) if callable(loop.tp) else loop.tp)
     before = stats.graphs_compiled
     spmd.parallelize(model, mesh, plan)

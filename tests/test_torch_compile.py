@@ -34,6 +34,7 @@ RUNS_W2 = [
     ("llama", "fsdp", "eager"),
     ("llama", "tp", "eager"),
     ("t5", "fsdp", "eager"),
+    ("gradient_hook", "ddp", "eager"),  # runs once, in eager autograd, on the reduced gradient
 ]
 RUNS_W4 = [("gpt", "fsdp+tp", "eager"), ("llama", "fsdp+tp", "eager")]
 
