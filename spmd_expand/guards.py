@@ -131,7 +131,7 @@ def cache_key(
     fqn_of = {id(p): fqn for fqn, p in model.named_parameters()}
     # Which module objects make up the model: a module without parameters (an activation) swapped
     # for another changes the graph as much as a new parameter does.
-    modules = tuple((ids(m), m.training) for m in model.modules())
+    modules = tuple((ids(m), type(m), m.training) for m in model.modules())
     requires_grad = tuple(p.requires_grad for p in model.parameters())
     groups: tuple = ()
     state: tuple = ()
@@ -163,7 +163,7 @@ class Snapshot:
 
     ``objects`` are compared by identity (model, optimizer, every module, parameter and its local
     tensor, buffer, param group and its members, state dict and tensor state); ``values`` by equality
-    (``training``, ``requires_grad``, whether a gradient exists, parameter and buffer shapes, the
+    (class and ``training`` of every module, ``requires_grad``, whether a gradient exists, parameter and buffer shapes, the
     number of slots of every module, non-float param-group settings and the type of float ones, state
     keys and non-tensor states).
     Two equal snapshots of the same model and optimizer give the same :func:`cache_key` and the same
@@ -204,7 +204,7 @@ def snapshot(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Sn
     objects: list = [model, optimizer, *modules, *params, *buffers]
     # A DTensor parameter's local tensor (``p.data = ...`` replaces it); a plain one itself.
     objects += [getattr(p, "_local_tensor", p) for p in params]
-    values: list = [m.training for m in modules]
+    values: list = [(type(m), m.training) for m in modules]
     values += [(len(slot), len(m._buffers), len(m._modules)) for m, slot in zip(modules, slots)]
     values += [p.requires_grad for p in params]
     values += [p.grad is None for p in params]

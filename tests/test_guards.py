@@ -274,3 +274,19 @@ def test_a_list_attribute_changed_in_place_compiles_again(fake_mesh):
     with pytest.warns(UserWarning, match=r"attribute mix of the model == \[1.0, 0.5\] \(now \[1.0, 0.25\]\)"):
         step(model, optimizer, x)
     assert step.last is not first
+
+
+def test_a_module_whose_class_changed_compiles_again(fake_mesh):
+    """``module.__class__ = ...`` (what torch's parametrize and FSDP2 do to a module) is a new graph."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(_step)
+    x = torch.randn(2, 8)
+    step(model, optimizer, x)
+    first = step.last
+    model.act.__class__ = nn.ReLU
+    model.act.inplace = False
+    step(model, optimizer, x)
+    assert step.last is not first
+    assert any("relu" in str(n.target) for n in step.last.local_graph.graph.nodes)
