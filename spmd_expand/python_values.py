@@ -25,8 +25,9 @@ torch's global state (autocast, default dtype, ...) is compared too, with torch'
 outside it.
 
 Not recorded: attributes of other objects (``self.config.x`` of a HuggingFace config), values read
-through ``__dict__``, and Python state the step *writes* (``global STEP; STEP += 1`` runs once, at
-trace time, unless the step compiles again). Tensors are never baked: a tensor the step reads must be
+through ``__dict__``, and Python state the step *writes* (``global STEP; STEP += 1`` runs when the step
+is traced, not on every call: :func:`code_writes` finds such assignments to globals and closure
+variables, and :func:`spmd_expand.trace.trace_step` warns about each). Tensors are never baked: a tensor the step reads must be
 an input (:func:`spmd_expand.trace.trace_step` refuses the rest).
 """
 
@@ -44,7 +45,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 
-__all__ = ["GlobalState", "PythonGuards", "PythonValue", "code_reads", "forward_functions", "record_module_reads"]
+__all__ = ["GlobalState", "PythonGuards", "PythonValue", "code_reads", "code_writes", "forward_functions", "record_module_reads"]
 
 _SCALAR_TYPES = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
 _MISSING = object()
@@ -243,44 +244,81 @@ def _loads(code: types.CodeType) -> Iterator[tuple[str, str]]:
         stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
 
 
-def code_reads(functions: list[Callable], depth: int = 4) -> list[PythonValue]:
-    """The scalar globals and closure variables the user's ``functions`` read (see the module doc)."""
-    result: list[PythonValue] = []
-    seen_code: set = set()
-    seen_value: set = set()
+def _loaded_values(fn: types.FunctionType) -> Iterator[tuple[str, str, Any, Any, Callable[[], Any]]]:
+    """(kind, name, identity key, value, reader) of each global / closure variable ``fn``'s code loads
+    and that exists now."""
+    code = fn.__code__
+    cells = dict(zip(code.co_freevars, fn.__closure__ or ()))
+    for kind, name in _loads(code):
+        if kind == "global":
+            scope = fn.__globals__
+            if name in scope:
+                yield kind, name, (id(scope), name), scope[name], _global_reader(scope, name)
+        else:
+            cell = cells.get(name)
+            if cell is None:
+                continue
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell (assigned later in the enclosing function)
+                continue
+            yield kind, name, (id(cell), name), value, _cell_reader(cell)
+
+
+def _user_functions(functions: list[Callable], depth: int) -> Iterator[types.FunctionType]:
+    """``functions`` and the Python functions they reach through globals and closure variables, up to
+    ``depth`` calls deep, each once; library code (torch, site-packages, the standard library) is not
+    followed."""
+    seen: set = set()
     todo = [(f, 0) for f in functions]
     while todo:
         fn, level = todo.pop()
         fn = getattr(fn, "__func__", fn)  # bound methods
         code = getattr(fn, "__code__", None)
-        if not isinstance(fn, types.FunctionType) or code is None or code in seen_code or _is_library(code):
+        if not isinstance(fn, types.FunctionType) or code is None or code in seen or _is_library(code):
             continue
-        seen_code.add(code)
-        cells = dict(zip(code.co_freevars, fn.__closure__ or ()))
-        for kind, name in _loads(code):
-            if kind == "global":
-                scope = fn.__globals__
-                if name not in scope:
-                    continue
-                value, key = scope[name], (id(scope), name)
-                read = _global_reader(scope, name)
-                label = f"global {name} of {fn.__module__}"
-            else:
-                cell = cells.get(name)
-                if cell is None:
-                    continue
-                try:
-                    value = cell.cell_contents
-                except ValueError:  # an empty cell (assigned later in the enclosing function)
-                    continue
-                key, read, label = (id(cell), name), _cell_reader(cell), f"closure variable {name} of {fn.__qualname__}"
-            if is_scalar(value):
-                if key not in seen_value:
-                    seen_value.add(key)
-                    result.append(PythonValue(label, read, _frozen(value)))
-            elif isinstance(value, (types.FunctionType, types.MethodType)) and level < depth:
-                todo.append((value, level + 1))
+        seen.add(code)
+        yield fn
+        if level < depth:
+            todo += [
+                (value, level + 1)
+                for _, _, _, value, _ in _loaded_values(fn)
+                if isinstance(value, (types.FunctionType, types.MethodType))
+            ]
+
+
+def code_reads(functions: list[Callable], depth: int = 4) -> list[PythonValue]:
+    """The scalar globals and closure variables the user's ``functions`` read (see the module doc)."""
+    result: list[PythonValue] = []
+    seen: set = set()
+    for fn in _user_functions(functions, depth):
+        for kind, name, key, value, read in _loaded_values(fn):
+            if key in seen or not is_scalar(value):
+                continue
+            seen.add(key)
+            label = f"global {name} of {fn.__module__}" if kind == "global" else f"closure variable {name} of {fn.__qualname__}"
+            result.append(PythonValue(label, read, _frozen(value)))
     return result
+
+
+def code_writes(functions: list[Callable], depth: int = 4) -> list[str]:
+    """Where the user's ``functions`` (followed as :func:`code_reads` follows them) assign a global or
+    a closure variable (``STORE_GLOBAL`` / ``STORE_DEREF`` of a free variable): ``"global STEP at
+    file:line"``. Such Python side effects run when the step is traced, not on every call."""
+    found: list[str] = []
+    for fn in _user_functions(functions, depth):
+        stack = [fn.__code__]
+        while stack:
+            c = stack.pop()
+            for ins in dis.get_instructions(c):
+                if ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL") or (
+                    ins.opname in ("STORE_DEREF", "DELETE_DEREF") and ins.argval in c.co_freevars
+                ):
+                    kind = "global" if "GLOBAL" in ins.opname else "closure variable"
+                    line = ins.positions.lineno if ins.positions is not None else c.co_firstlineno
+                    found.append(f"{kind} {ins.argval} at {c.co_filename}:{line}")
+            stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return found
 
 
 def _global_reader(scope: dict, name: str) -> Callable[[], Any]:

@@ -27,6 +27,7 @@ import collections
 import contextlib
 import functools
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
@@ -48,7 +49,7 @@ from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from . import ops
 from .boundaries import mark_boundaries
-from .python_values import GlobalState, PythonGuards, code_reads, forward_functions, record_module_reads
+from .python_values import GlobalState, PythonGuards, code_reads, code_writes, forward_functions, record_module_reads
 from .errors import TraceError, node_error, user_source_line
 from .loss_parallel import MarkLossParallel
 from .plans import MixedPrecision, ParamCast
@@ -791,6 +792,13 @@ def trace_step(
         raise TraceError(f"could not trace {where}: {kind}: {str(e).splitlines()[0] if str(e) else ''}\n  fix: {hint}") from e
 
     _refuse_host_reads(functional)
+    for write in code_writes([fn]):
+        warnings.warn(
+            f"spmd.compile: the step assigns {write}; a compiled step's Python code runs when it is traced "
+            f"(the first call and each recompilation), not on every call: keep such bookkeeping outside the "
+            f"compiled step, or in a buffer it updates",
+            stacklevel=2,
+        )
     functional.graph.eliminate_dead_code()
     _drop_profiler_nodes(functional)
     functional.recompile()

@@ -290,3 +290,21 @@ def test_a_module_whose_class_changed_compiles_again(fake_mesh):
     step(model, optimizer, x)
     assert step.last is not first
     assert any("relu" in str(n.target) for n in step.last.local_graph.graph.nodes)
+
+
+CALLS = 0
+
+
+def _counting_step(model, optimizer, x):
+    global CALLS
+    CALLS += 1  # Python bookkeeping inside the step
+    return _step(model, optimizer, x)
+
+
+def test_assigning_a_global_in_the_step_warns(fake_mesh):
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(_counting_step)
+    with pytest.warns(UserWarning, match=r"the step assigns global CALLS at .*test_guards.py:\d+; .* not on every call"):
+        step(model, optimizer, torch.randn(2, 8))
