@@ -217,6 +217,8 @@ def expand_step(
             fn, args, kwargs, model, optimizer, roles, specs, plan.module_layouts(), plan.mixed_precision(model),
             parameter_hooks=parameter_hooks,
         )
+    # The trace-time module swaps above are undone: bind the module reads to the model's own modules.
+    traced.python_guards.bind(model)
 
     context = PassContext(mesh=mesh, plan=plan, traced=traced)
     with clock.stage("global_passes"):

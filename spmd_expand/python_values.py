@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 
-__all__ = ["GlobalState", "PythonGuards", "PythonValue", "code_reads", "code_writes", "forward_functions", "record_module_reads"]
+__all__ = ["GlobalState", "ModuleRead", "PythonGuards", "PythonValue", "code_reads", "code_writes", "forward_functions", "record_module_reads"]
 
 _SCALAR_TYPES = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
 _MISSING = object()
@@ -112,9 +112,35 @@ class PythonGuards:
 
     values: list[PythonValue] = field(default_factory=list)
     global_state: Optional[GlobalState] = None
+    # Module attribute reads not yet bound to the model's modules (see bind).
+    module_reads: list["ModuleRead"] = field(default_factory=list)
+
+    def bind(self, model: nn.Module) -> None:
+        """Turn :attr:`module_reads` into values read from ``model``'s own modules. Call it once the
+        stages that swap modules only while tracing (overrides, SyncBatchNorm stand-ins) have put the
+        originals back: a read of a stand-in then guards every scalar attribute of the module at its
+        place (the stand-in was built from them; which of them it read is not known)."""
+        reads, self.module_reads = self.module_reads, []
+        whole: set = set()
+        for read in reads:
+            try:
+                module = model.get_submodule(read.fqn)
+            except AttributeError:
+                continue
+            if module is read.module:
+                self.values.append(_attribute_value(module, read.fqn, read.name, read.value))
+            elif id(module) not in whole:
+                whole.add(id(module))
+                self.values += [
+                    _attribute_value(module, read.fqn, name, _frozen(value))
+                    for name, value in vars(module).items()
+                    if name not in _MODULE_OWN and is_scalar(value)
+                ]
 
     def check(self) -> Optional[str]:
         """None when everything is as traced, else what changed, as a sentence for a warning."""
+        if self.module_reads:
+            raise RuntimeError("PythonGuards.check() before bind(model): module reads are not bound")
         if self.global_state is not None:
             changed = self.global_state.reason()
             if changed is not None:
@@ -165,16 +191,28 @@ def _recording_class(cls: type) -> Optional[type]:
     return sub
 
 
+@dataclass(frozen=True)
+class ModuleRead:
+    """A scalar attribute read while tracing: the module read (maybe a trace-time stand-in), its
+    place in the model, the attribute and the value first read."""
+
+    module: nn.Module
+    fqn: str
+    name: str
+    value: Any
+
+
 @contextlib.contextmanager
 def record_module_reads(model: nn.Module) -> Iterator[list]:
     """While inside, note every scalar attribute read of ``model``'s modules; yields a list that holds,
-    on exit, one :class:`PythonValue` per (module, attribute) read, with the value first read."""
+    on exit, one :class:`ModuleRead` per (module, attribute) read, with the value first read
+    (:meth:`PythonGuards.bind` turns them into checks)."""
     names: dict[int, str] = {}
     for fqn, module in model.named_modules(remove_duplicate=False):
         names.setdefault(id(module), fqn)
     swapped = []
     reads: dict = {}
-    result: list[PythonValue] = []
+    result: list[ModuleRead] = []
     try:
         for module in model.modules():
             cls = type(module)
@@ -193,19 +231,14 @@ def record_module_reads(model: nn.Module) -> Iterator[list]:
             _recorders.pop()
         for module, cls in swapped:
             module.__class__ = cls
-    by_module: dict[int, list] = {}
-    for module, name, value in reads.values():
-        by_module.setdefault(id(module), [module, []])[1].append((name, value))
-    for module, pairs in by_module.values():
-        fqn = names.get(id(module), "?")
-        where = f"attribute {fqn + '.' if fqn else ''}{{}} of the model"
-        for name, value in pairs:
-            result.append(PythonValue(where.format(name), _attribute_reader(module, name), value))
+    result += [ModuleRead(m, names[id(m)], name, value) for m, name, value in reads.values() if id(m) in names]
 
 
-def _attribute_reader(module: nn.Module, name: str) -> Callable[[], Any]:
-    ref = weakref.ref(module)
+def _attribute_value(module: nn.Module, fqn: str, name: str, value: Any) -> PythonValue:
+    """A :class:`PythonValue` reading ``name`` of ``module`` (held weakly; a new module object at
+    ``fqn`` is a new snapshot and cache key, so the reader never needs to look it up again)."""
     get = operator.attrgetter(name)
+    ref = weakref.ref(module)
 
     def read() -> Any:
         m = ref()
@@ -216,7 +249,7 @@ def _attribute_reader(module: nn.Module, name: str) -> Callable[[], Any]:
         except AttributeError:
             return _MISSING
 
-    return read
+    return PythonValue(f"attribute {fqn + '.' if fqn else ''}{name} of the model", read, value)
 
 
 # ---------------------------------------------------------------------------------------- code reads

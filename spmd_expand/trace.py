@@ -814,7 +814,7 @@ def trace_step(
         fake_mode,
         hyperparameters,
         _hyperparameter_guards(shape_env, symbols, hyperparameters),
-        PythonGuards(module_reads + code_reads([fn, *forward_functions(model)]), global_state),
+        PythonGuards(code_reads([fn, *forward_functions(model)]), global_state, list(module_reads)),
     )
 
 

@@ -308,3 +308,21 @@ def test_assigning_a_global_in_the_step_warns(fake_mesh):
     step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(_counting_step)
     with pytest.warns(UserWarning, match=r"the step assigns global CALLS at .*test_guards.py:\d+; .* not on every call"):
         step(model, optimizer, torch.randn(2, 8))
+
+
+def test_reads_of_a_trace_time_stand_in_guard_the_models_own_module(fake_mesh):
+    """SyncBatchNorm is traced through a single-device stand-in that exists only while tracing: the
+    guards read the model's own module (one compilation for three calls), and a change of its
+    momentum compiles again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), nn.SyncBatchNorm(6), nn.Linear(6, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(_step)
+    x = torch.randn(4, 8)
+    for _ in range(3):
+        step(model, optimizer, x)
+    assert sum(len(v) for v in step.cache.values()) == 1
+    first = step.last
+    model[1].momentum = 0.5
+    step(model, optimizer, x)
+    assert step.last is not first
