@@ -841,13 +841,12 @@ def _library_frame(e: BaseException) -> str:
     tracing = ("/torch/fx/", "/torch/_subclasses/", "/torch/_ops.py", "/torch/utils/", "/torch/_prims", "/torch/_refs",
                "/torch/_decomp", "/torch/_meta_registrations", "/torch/_library", "/torch/_compile", "/torch/_dynamo",
                "/torch/_tensor.py", "/torch/overrides.py", "/torch/__init__.py", "/torch/_guards.py")
-    shown = [f for f in below if "/torch/" in f.filename.replace("\\", "/") and not any(
-        t in f.filename.replace("\\", "/") for t in tracing)]
+    shown = [(f.filename.replace("\\", "/"), f.name) for f in below]
+    shown = [(path, name) for path, name in shown if "/torch/" in path and not any(t in path for t in tracing)]
     if not shown:
         return ""
-    f = shown[-1]
-    module = f.filename.replace("\\", "/").split("/torch/", 1)[1]
-    return f", inside torch/{module} in {f.name}"
+    path, name = shown[-1]
+    return f", inside torch/{path.split('/torch/', 1)[1]} in {name}"
 
 
 def _is_library_file(filename: str) -> bool:

@@ -103,6 +103,14 @@ def _step(model, optimizer, x):
     return loss
 
 
+def _compiled(fake_mesh, fn, model_class=Net):
+    """A fresh seeded model, its AdamW, ``fn`` compiled for DDP on the fake mesh (eager lowering), and a batch."""
+    torch.manual_seed(0)
+    model = model_class()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, optimizer, spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(fn), torch.randn(2, 8)
+
+
 def test_fast_path_recompiles_after_module_swap(fake_mesh):
     """A module without parameters swapped between calls (GELU -> ReLU) compiles a new graph, and the
     fast path then serves the new graph; ``lr`` changes do not compile."""
@@ -130,11 +138,7 @@ def test_fast_path_recompiles_after_module_swap(fake_mesh):
 
 def test_reset_compiles_again(fake_mesh):
     """``reset()`` drops the graphs the fast path would serve: the next call compiles a new one."""
-    torch.manual_seed(0)
-    model = Net()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(_step)
-    x = torch.randn(2, 8)
+    model, optimizer, step, x = _compiled(fake_mesh, _step)
     step(model, optimizer, x)
     first = step.last
     step(model, optimizer, x)
@@ -166,11 +170,7 @@ def test_global_read_by_a_called_function_recompiles_with_a_warning(fake_mesh):
     """A global read two calls deep is baked in (a constant of leaky_relu): a change compiles again and
     the warning names it; the old value's graph is reused when the value comes back."""
     global NEGATIVE_SLOPE
-    torch.manual_seed(0)
-    model = Net()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(_helper_step)
-    x = torch.randn(2, 8)
+    model, optimizer, step, x = _compiled(fake_mesh, _helper_step)
     try:
         step(model, optimizer, x)
         first = step.last
@@ -200,12 +200,8 @@ def test_module_attribute_reads_are_recorded_and_classes_restored(fake_mesh):
         def forward(self, x):
             return super().forward(x) * self.factor
 
-    torch.manual_seed(0)
-    model = Scaled()
+    model, optimizer, step, x = _compiled(fake_mesh, _step, Scaled)
     classes = [type(m) for m in model.modules()]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(_step)
-    x = torch.randn(2, 8)
     step(model, optimizer, x)
     assert [type(m) for m in model.modules()] == classes
     described = [v.description for v in step.last.traced.python_guards.values]
@@ -229,11 +225,7 @@ def test_module_attribute_reads_are_recorded_and_classes_restored(fake_mesh):
 def test_a_step_traced_under_autocast_is_not_reused_outside_it(fake_mesh):
     """torch's global state (here autocast) is part of what a graph assumed: the bf16 graph traced
     inside ``torch.autocast`` is not run outside it, and comes back when autocast does."""
-    torch.manual_seed(0)
-    model = Net()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(_step)
-    x = torch.randn(2, 8)
+    model, optimizer, step, x = _compiled(fake_mesh, _step)
 
     def bf16_nodes(artifacts):
         return [n for n in artifacts.traced.graph_module.graph.nodes if getattr(n.meta.get("val"), "dtype", None) == torch.bfloat16]
@@ -263,11 +255,7 @@ def test_a_list_attribute_changed_in_place_compiles_again(fake_mesh):
             out = super().forward(x)
             return out * self.mix[0] + out.square() * self.mix[1]
 
-    torch.manual_seed(0)
-    model = Mixed()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(_step)
-    x = torch.randn(2, 8)
+    model, optimizer, step, x = _compiled(fake_mesh, _step, Mixed)
     step(model, optimizer, x)
     first = step.last
     model.mix[1] = 0.25
@@ -278,11 +266,7 @@ def test_a_list_attribute_changed_in_place_compiles_again(fake_mesh):
 
 def test_a_module_whose_class_changed_compiles_again(fake_mesh):
     """``module.__class__ = ...`` (what torch's parametrize and FSDP2 do to a module) is a new graph."""
-    torch.manual_seed(0)
-    model = Net()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(_step)
-    x = torch.randn(2, 8)
+    model, optimizer, step, x = _compiled(fake_mesh, _step)
     step(model, optimizer, x)
     first = step.last
     model.act.__class__ = nn.ReLU
@@ -326,3 +310,4 @@ def test_reads_of_a_trace_time_stand_in_guard_the_models_own_module(fake_mesh):
     model[1].momentum = 0.5
     step(model, optimizer, x)
     assert step.last is not first
+
