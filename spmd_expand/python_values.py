@@ -118,21 +118,19 @@ class PythonGuards:
     def bind(self, model: nn.Module) -> None:
         """Turn :attr:`module_reads` into values read from ``model``'s own modules. Call it once the
         stages that swap modules only while tracing (overrides, SyncBatchNorm stand-ins) have put the
-        originals back: a read of a stand-in then guards every scalar attribute of the module at its
-        place (the stand-in was built from them; which of them it read is not known)."""
+        originals back: a read of a stand-in (or of a module inside one, which has no place in the
+        model) then guards every scalar attribute of the model's module at the nearest place (the
+        stand-in was built from them; which of them it read is not known)."""
         reads, self.module_reads = self.module_reads, []
         whole: set = set()
         for read in reads:
-            try:
-                module = model.get_submodule(read.fqn)
-            except AttributeError:
-                continue
+            place, module = _nearest_submodule(model, read.fqn)
             if module is read.module:
-                self.values.append(_attribute_value(module, read.fqn, read.name, read.value))
+                self.values.append(_attribute_value(module, place, read.name, read.value))
             elif id(module) not in whole:
                 whole.add(id(module))
                 self.values += [
-                    _attribute_value(module, read.fqn, name, _frozen(value))
+                    _attribute_value(module, place, name, _frozen(value))
                     for name, value in vars(module).items()
                     if name not in _MODULE_OWN and is_scalar(value)
                 ]
@@ -232,6 +230,18 @@ def record_module_reads(model: nn.Module) -> Iterator[list]:
         for module, cls in swapped:
             module.__class__ = cls
     result += [ModuleRead(m, names[id(m)], name, value) for m, name, value in reads.values() if id(m) in names]
+
+
+def _nearest_submodule(model: nn.Module, fqn: str) -> tuple[str, nn.Module]:
+    """(place, submodule) of ``model`` at ``fqn``, or at its longest prefix that exists."""
+    module, place = model, []
+    for atom in fqn.split(".") if fqn else ():
+        child = module._modules.get(atom)
+        if child is None:
+            break
+        module = child
+        place.append(atom)
+    return ".".join(place), module
 
 
 def _attribute_value(module: nn.Module, fqn: str, name: str, value: Any) -> PythonValue:

@@ -311,3 +311,17 @@ def test_reads_of_a_trace_time_stand_in_guard_the_models_own_module(fake_mesh):
     step(model, optimizer, x)
     assert step.last is not first
 
+
+def test_a_read_of_a_module_with_no_place_in_the_model_guards_the_nearest_one():
+    """A module inside a trace-time stand-in has no place in the restored model: its read is not
+    dropped but guards every scalar attribute of the nearest module that has one."""
+    from spmd_expand.python_values import ModuleRead, PythonGuards
+
+    model = Net()
+    inner = nn.Dropout(0.1)  # stood at "act.inner" inside a stand-in for "act"
+    guards = PythonGuards(module_reads=[ModuleRead(inner, "act.inner", "p", 0.1)])
+    guards.bind(model)
+    assert [v.description for v in guards.values] == ["attribute act.approximate of the model"]
+    assert guards.check() is None
+    model.act.approximate = "tanh"
+    assert "act.approximate" in guards.check()
