@@ -24,15 +24,22 @@ torch's global state (autocast, default dtype, ...) is compared too, with torch'
 ``GlobalStateGuard`` (:class:`GlobalState`): a step traced under ``torch.autocast`` is not reused
 outside it.
 
-Not recorded: attributes of other objects (``self.config.x`` of a HuggingFace config), values read
-through ``__dict__``, and Python state the step *writes* (``global STEP; STEP += 1`` runs when the step
-is traced, not on every call: :func:`code_writes` finds such assignments to globals and closure
-variables, and :func:`spmd_expand.trace.trace_step` warns about each). Tensors are never baked: a tensor the step reads must be
-an input (:func:`spmd_expand.trace.trace_step` refuses the rest).
+Not recorded: attributes of other objects (``self.config.x`` of a HuggingFace config) and values read
+through ``__dict__``. Tensors are never baked: a tensor the step reads must be an input
+(:func:`spmd_expand.trace.trace_step` refuses the rest).
+
+Python state the step *writes* is the other half (:class:`StateWatch`): the step's Python runs when
+it is traced, not on every call, so ``LOSSES.append(loss)`` or ``STATS["n"] += 1`` would happen once,
+and a tensor kept that way would be a placeholder of the trace. The state the step can reach (the
+containers and user objects its globals and closure variables hold, the variables it assigns, the
+plain attributes of the model's modules) is snapshotted before the trace and compared after;
+:func:`spmd_expand.trace._settle_state_changes` refuses, undoes or reports each change.
+:func:`code_writes` finds assignments to globals and closure variables in the code itself.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dis
 import operator
@@ -45,7 +52,18 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 
-__all__ = ["GlobalState", "ModuleRead", "PythonGuards", "PythonValue", "code_reads", "code_writes", "forward_functions", "record_module_reads"]
+__all__ = [
+    "GlobalState",
+    "ModuleRead",
+    "PythonGuards",
+    "PythonValue",
+    "StateChange",
+    "StateWatch",
+    "code_reads",
+    "code_writes",
+    "forward_functions",
+    "record_module_reads",
+]
 
 _SCALAR_TYPES = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
 _MISSING = object()
@@ -266,7 +284,11 @@ def _attribute_value(module: nn.Module, fqn: str, name: str, value: Any) -> Pyth
 
 
 def _is_library(code: types.CodeType) -> bool:
-    path = code.co_filename.replace("\\", "/")
+    return _is_library_path(code.co_filename)
+
+
+def _is_library_path(path: str) -> bool:
+    path = path.replace("\\", "/")
     return (
         "/site-packages/" in path or "/dist-packages/" in path or "/torch/" in path
         or "/spmd_expand/" in path or path.startswith("<")
@@ -344,24 +366,30 @@ def code_reads(functions: list[Callable], depth: int = 4) -> list[PythonValue]:
     return result
 
 
+def _stores(fn: types.FunctionType) -> Iterator[tuple[str, str, str]]:
+    """("global" | "cell", name, "file:line") for each global or closure variable ``fn``'s code (and
+    its nested code) assigns or deletes (``STORE_GLOBAL`` / ``STORE_DEREF`` of a free variable)."""
+    stack = [fn.__code__]
+    while stack:
+        c = stack.pop()
+        for ins in dis.get_instructions(c):
+            if ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL") or (
+                ins.opname in ("STORE_DEREF", "DELETE_DEREF") and ins.argval in c.co_freevars
+            ):
+                line = ins.positions.lineno if ins.positions is not None else c.co_firstlineno
+                yield ("global" if "GLOBAL" in ins.opname else "cell"), ins.argval, f"{c.co_filename}:{line}"
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+
+
 def code_writes(functions: list[Callable], depth: int = 4) -> list[str]:
     """Where the user's ``functions`` (followed as :func:`code_reads` follows them) assign a global or
-    a closure variable (``STORE_GLOBAL`` / ``STORE_DEREF`` of a free variable): ``"global STEP at
-    file:line"``. Such Python side effects run when the step is traced, not on every call."""
-    found: list[str] = []
-    for fn in _user_functions(functions, depth):
-        stack = [fn.__code__]
-        while stack:
-            c = stack.pop()
-            for ins in dis.get_instructions(c):
-                if ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL") or (
-                    ins.opname in ("STORE_DEREF", "DELETE_DEREF") and ins.argval in c.co_freevars
-                ):
-                    kind = "global" if "GLOBAL" in ins.opname else "closure variable"
-                    line = ins.positions.lineno if ins.positions is not None else c.co_firstlineno
-                    found.append(f"{kind} {ins.argval} at {c.co_filename}:{line}")
-            stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
-    return found
+    a closure variable: ``"global STEP at file:line"``. Such Python side effects run when the step is
+    traced, not on every call."""
+    return [
+        f"{'global' if kind == 'global' else 'closure variable'} {name} at {where}"
+        for fn in _user_functions(functions, depth)
+        for kind, name, where in _stores(fn)
+    ]
 
 
 def _global_reader(scope: dict, name: str) -> Callable[[], Any]:
@@ -387,3 +415,187 @@ def forward_functions(model: nn.Module) -> list[Callable]:
         if fn is not None:
             found.setdefault(id(getattr(fn, "__func__", fn)), fn)
     return list(found.values())
+
+
+# ---------------------------------------------------------------------------------------- state the step changes
+
+_CONTAINERS = (list, dict, set, collections.deque)
+
+
+@dataclass(frozen=True)
+class StateChange:
+    """A change the step's Python made, while it was traced, to state that outlives the call: a
+    global or closure container (``LOSSES.append(loss)``, ``STATS["n"] += 1``), an attribute of a user
+    object such a variable holds, or a plain attribute of one of the model's modules
+    (``self.cache = t``, ``self.calls += 1``). ``traced`` is true when the new value holds a tensor or a
+    symbolic size of the trace, which exist only while tracing; ``undo()`` puts the old contents back."""
+
+    description: str
+    detail: str
+    traced: bool
+    in_module: bool
+    # In a module whose class is library code (torch's, an installed package's): its own bookkeeping.
+    in_library_module: bool
+    undo: Callable[[], None]
+
+
+def _is_traced(value: Any) -> bool:
+    """Whether ``value`` (or a list, tuple or dict in it) holds a fake tensor or a symbolic number."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return any(
+        isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)) or (isinstance(leaf, torch.Tensor) and is_fake(leaf))
+        for leaf in torch.utils._pytree.tree_leaves(value)
+    )
+
+
+def _is_user_object(value: Any) -> bool:
+    """An instance of a class defined in the user's code (not a module, function, class, nn.Module or
+    optimizer), whose attributes a step may change (``tracker.count += 1``)."""
+    if isinstance(value, (types.ModuleType, type, types.FunctionType, types.MethodType, nn.Module, torch.optim.Optimizer, torch.Tensor)):
+        return False
+    return hasattr(value, "__dict__") and _is_user_class(type(value))
+
+
+def _is_user_class(cls: type) -> bool:
+    """Whether ``cls`` is defined in the user's code (not torch, an installed package or the standard
+    library)."""
+    path = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    return path is not None and not _is_library_path(path)
+
+
+def _shown(value: Any) -> str:
+    if _is_traced(value):
+        return "a tensor computed in the step" if isinstance(value, torch.Tensor) else "a value computed in the step"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+class _Variable:
+    """A global or closure variable the step assigns, watched like an object with one attribute."""
+
+    def __init__(self, scope: Optional[dict], cell: Optional[types.CellType], name: str) -> None:
+        self.scope, self.cell, self.name = scope, cell, name
+
+    def items(self) -> dict:
+        if self.scope is not None:
+            return {self.name: self.scope[self.name]} if self.name in self.scope else {}
+        try:
+            return {self.name: self.cell.cell_contents}
+        except ValueError:
+            return {}
+
+    def restore(self, old: dict) -> None:
+        if self.scope is not None:
+            if self.name in old:
+                self.scope[self.name] = old[self.name]
+            else:
+                self.scope.pop(self.name, None)
+        elif self.name in old:
+            self.cell.cell_contents = old[self.name]
+        else:
+            with contextlib.suppress(ValueError):
+                del self.cell.cell_contents
+
+
+def _snapshot(obj: Any) -> Any:
+    if isinstance(obj, _Variable):
+        return obj.items()
+    if isinstance(obj, dict):
+        return dict(obj)
+    if isinstance(obj, set):
+        return set(obj)
+    if isinstance(obj, _CONTAINERS):
+        return list(obj)
+    return {k: v for k, v in vars(obj).items() if not (isinstance(obj, nn.Module) and k in _MODULE_OWN)}
+
+
+def _unchanged(a: Any, b: Any) -> bool:
+    """The same object, or equal Python scalars (never ``==`` on tensors or user objects)."""
+    return a is b or (type(a) is type(b) and type(a) in _SCALAR_TYPES and a == b)
+
+
+def _difference(old: Any, new: Any, attributes: bool = False) -> Optional[tuple[str, list]]:
+    """(what changed, the values that are new) between two snapshots of one object, or None."""
+    if isinstance(old, set):
+        ids = {id(v) for v in old}
+        added = [v for v in new if id(v) not in ids]
+        return None if not added and len(new) == len(old) else (f"{len(old)} -> {len(new)} items", added)
+    if isinstance(old, list):
+        if len(old) == len(new) and all(_unchanged(a, b) for a, b in zip(old, new)):
+            return None
+        added = [v for v in new if all(v is not o for o in old)]
+        what = f"{len(old)} -> {len(new)} items" if len(old) != len(new) else "items replaced"
+        return what, added
+    keys = [k for k in {**old, **new} if k not in old or k not in new or not _unchanged(old[k], new[k])]
+    if not keys:
+        return None
+    parts = [f"{k if attributes else repr(k)}: {_shown(old.get(k, _MISSING)) if k in old else '<unset>'} -> {_shown(new[k]) if k in new else '<deleted>'}" for k in keys[:3]]
+    return ", ".join(parts) + (f" (and {len(keys) - 3} more)" if len(keys) > 3 else ""), [new[k] for k in keys if k in new]
+
+
+def _restore(obj: Any, old: Any) -> None:
+    if isinstance(obj, _Variable):
+        obj.restore(old)
+    elif isinstance(obj, (dict, set, collections.deque)):
+        obj.clear()
+        obj.update(old) if not isinstance(obj, collections.deque) else obj.extend(old)
+    elif isinstance(obj, list):
+        obj[:] = old
+    else:
+        attrs = vars(obj)
+        for k in [k for k in attrs if k not in old and not (isinstance(obj, nn.Module) and k in _MODULE_OWN)]:
+            del attrs[k]
+        attrs.update(old)
+
+
+class StateWatch:
+    """Snapshots of the Python state a step can change (see :class:`StateChange`), taken before it is
+    traced; :meth:`changes` compares after. Watched: each list, dict, set or deque and each user object
+    that a global or closure variable of ``functions`` holds (followed as :func:`code_reads` follows
+    them), the containers and user objects inside those (one level), and the plain attributes of
+    ``model``'s modules and the containers they hold. Shallow: each watched object's own items and
+    attributes are compared by identity (scalars by value)."""
+
+    def __init__(self, functions: list[Callable], model: Optional[nn.Module], depth: int = 4) -> None:
+        # (description, in a module, in a library module, object, snapshot)
+        self._watched: list[tuple[str, bool, bool, Any, Any]] = []
+        seen: set = set()
+        assigned: set = set()
+        for fn in _user_functions(functions, depth):
+            for kind, name, _, value, _ in _loaded_values(fn):
+                label = f"global {name} of {fn.__module__}" if kind == "global" else f"closure variable {name} of {fn.__qualname__}"
+                self._watch(value, label, False, False, seen, 1)
+            cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+            for kind, name, _ in _stores(fn):
+                if (kind, name) not in assigned and (kind == "global" or name in cells):
+                    assigned.add((kind, name))
+                    slot = _Variable(fn.__globals__, None, name) if kind == "global" else _Variable(None, cells[name], name)
+                    label = f"global {name} of {fn.__module__}" if kind == "global" else f"closure variable {name} of {fn.__qualname__}"
+                    self._watched.append((label, False, False, slot, slot.items()))
+        if model is not None:
+            for fqn, module in model.named_modules():
+                self._watch(module, f"model.{fqn}" if fqn else "model", True, not _is_user_class(type(module)), seen, 1)
+
+    def _watch(self, obj: Any, label: str, in_module: bool, library: bool, seen: set, depth: int) -> None:
+        attributes = isinstance(obj, nn.Module) if in_module else _is_user_object(obj)
+        if (not attributes and not isinstance(obj, _CONTAINERS)) or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        snap = _snapshot(obj)
+        self._watched.append((label, in_module, library, obj, snap))
+        if depth > 0:
+            for key, child in snap.items() if isinstance(snap, dict) else enumerate(snap):
+                if not isinstance(child, nn.Module):
+                    self._watch(child, f"{label}.{key}" if attributes else f"{label}[{key!r}]", in_module, library, seen, depth - 1)
+
+    def changes(self) -> list[StateChange]:
+        """What differs from the snapshots now, one :class:`StateChange` per changed object."""
+        found = []
+        for label, in_module, library, obj, old in self._watched:
+            diff = _difference(old, _snapshot(obj), attributes=not isinstance(obj, _CONTAINERS))
+            if diff is not None:
+                what, added = diff
+                found.append(StateChange(label, what, any(_is_traced(v) for v in added), in_module, library,
+                                         lambda obj=obj, old=old: _restore(obj, old)))
+        return found

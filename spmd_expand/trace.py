@@ -49,7 +49,16 @@ from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from . import ops
 from .boundaries import mark_boundaries
-from .python_values import GlobalState, PythonGuards, code_reads, code_writes, forward_functions, record_module_reads
+from .python_values import (
+    GlobalState,
+    PythonGuards,
+    StateChange,
+    StateWatch,
+    code_reads,
+    code_writes,
+    forward_functions,
+    record_module_reads,
+)
 from .errors import TraceError, node_error, user_source_line
 from .loss_parallel import MarkLossParallel
 from .plans import MixedPrecision, ParamCast
@@ -690,8 +699,12 @@ def trace_step(
 
         # The module and the optimizer hold the same leaves; _StepMode marks where they are read.
         hooks = mode.optimizer_hooks(optimizer) if optimizer is not None else []
+        # torch writes the tensors the module holds when the context exits back into this dict, so an
+        # attribute assignment of a parameter or buffer inside the step (`self.ema = 0.9 * self.ema + ...`)
+        # shows up here (see _write_back_assignments).
+        held = {**params, **buffers}
         try:
-            with stateless._reparametrize_module(model, {**params, **buffers}, tie_weights=True), _optimizer_on(
+            with stateless._reparametrize_module(model, held, tie_weights=True), _optimizer_on(
                 optimizer, swap, states, hyperparameters, hp_values
             ), mark_boundaries(model, module_layouts or {}), _cast_root_io(
                 model, mixed_precision.policy if mixed_precision else None
@@ -707,6 +720,7 @@ def trace_step(
         finally:
             for h in hooks:
                 h.remove()
+        _write_back_assignments(held, params, buffers)
 
         ret_leaves, spec = pytree.tree_flatten(result)
         for leaf in ret_leaves:
@@ -736,6 +750,8 @@ def trace_step(
                 out.append(ops.gradient(p.grad, fqn))
         return out
 
+    user_functions = [fn, *forward_functions(model)]
+    state = StateWatch(user_functions, model)
     try:
         with torch.compiler._compile_session_context(), torch.enable_grad():
             # _compile_session_context: optimizers take their traceable paths (`step` stays a tensor,
@@ -758,9 +774,13 @@ def trace_step(
                 decomposition_table=_decompositions(),
                 tracing_mode="symbolic",
             )(*detached, *sym_values)
+        _refuse_host_reads(functional)
+        _settle_state_changes(state.changes())
     except TraceError:
+        _undo(state)
         raise
     except Exception as e:  # noqa: BLE001 - every tracing failure becomes one clear error
+        _undo(state)
         kind = type(e).__name__
         data_dependent = "DataDependent" in kind or "data-dependent" in str(e).lower()
         if _NON_FAKE_INPUT in str(e):
@@ -791,7 +811,6 @@ def trace_step(
             )
         raise TraceError(f"could not trace {where}: {kind}: {str(e).splitlines()[0] if str(e) else ''}\n  fix: {hint}") from e
 
-    _refuse_host_reads(functional)
     for write in code_writes([fn]):
         warnings.warn(
             f"spmd.compile: the step assigns {write}; a compiled step's Python code runs when it is traced "
@@ -814,8 +833,104 @@ def trace_step(
         fake_mode,
         hyperparameters,
         _hyperparameter_guards(shape_env, symbols, hyperparameters),
-        PythonGuards(code_reads([fn, *forward_functions(model)]), global_state, list(module_reads)),
+        PythonGuards(code_reads(user_functions), global_state, list(module_reads)),
     )
+
+
+def _undo(state: StateWatch) -> None:
+    """Put back every change a failed trace made to the Python state it watched: a refused step loses
+    nothing."""
+    for change in state.changes():
+        change.undo()
+
+
+def _settle_state_changes(changes: list[StateChange]) -> None:
+    """What to do with each change the traced step made to Python state that outlives it
+    (:class:`~spmd_expand.python_values.StateChange`). The step's Python runs when it is traced, not
+    on every call, and its tensors and sizes exist only while tracing, so:
+
+    * a tensor or size of the trace kept in a global, a closure variable or an object they hold
+      (``LOSSES.append(loss)``): refused, and every change undone;
+    * one kept in a plain attribute of a module (``self.cache = rotary``, as a module caches a value it
+      derives from its input): undone, with a warning (the module computes it again the next time);
+    * any other change (``STATS["n"] += 1``, ``self.calls += 1``): kept, with a warning that it happens
+      only when the step is traced.
+
+    A module whose class is library code (torch's RNN refreshing ``_flat_weights``, a HuggingFace model
+    installing its hooks on the first call) gets the same treatment without the warnings: the user
+    cannot change that code, and the changes are its own bookkeeping.
+
+    Raises:
+        TraceError: a tensor or size of the trace outlives it outside the model.
+    """
+    escaped = [c for c in changes if c.traced and not c.in_module]
+    if escaped:
+        for c in changes:
+            c.undo()
+        names = "; ".join(f"{c.description} ({c.detail})" for c in escaped)
+        raise TraceError(
+            f"the step keeps a tensor (or a size) it computed in Python state that outlives the call: "
+            f"{names}. A compiled step's Python runs when it is traced, on tensors that exist only while "
+            f"tracing, so this would hold a placeholder, once, instead of each step's value (nothing was "
+            f"changed: the state is as before the call)\n"
+            f"  fix: return the value from the step (`return loss, logits.detach()`) and keep what the "
+            f"compiled step returns, after the call"
+        )
+    for c in changes:
+        if c.traced:
+            c.undo()
+            if c.in_library_module:  # torch's or a package's module (an RNN's _flat_weights): its business
+                continue
+            warnings.warn(
+                f"spmd.compile: the step keeps a tensor (or a size) it computed in {c.description} "
+                f"({c.detail}); those exist only while the step is traced, so the change was undone. To "
+                f"keep a tensor across steps, register a buffer and assign it in the step (assigned "
+                f"buffers are written back); to read one after the step, return it",
+                stacklevel=3,
+            )
+        elif not c.in_library_module:
+            warnings.warn(
+                f"spmd.compile: the step changed {c.description} ({c.detail}) while it was traced; a "
+                f"compiled step's Python code runs when it is traced (the first call and each "
+                f"recompilation), not on every call: keep such bookkeeping outside the compiled step, or "
+                f"in a buffer it updates",
+                stacklevel=3,
+            )
+
+
+def _write_back_assignments(held: dict[str, Any], params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
+    """Turn buffers the step *assigned* (``self.ema = 0.9 * self.ema + 0.1 * x.mean()``, or
+    ``register_buffer`` again under the same name) into in-place writes of the buffer's graph input, so
+    the value is written back like an in-place update (``running_mean.mul_(...)``) is. ``held`` maps
+    each FQN to the tensor the module held when the step ended (torch's ``_reparametrize_module``
+    writes it back). Without this the assignment went to a tensor that only existed while tracing:
+    the model kept its old buffer, with no error.
+
+    Raises:
+        TraceError: a parameter was assigned (``self.weight = nn.Parameter(...)``), or a buffer was
+            assigned something other than a tensor of its shape and dtype.
+    """
+    for fqn, before in params.items():
+        if held.get(fqn, before) is not before:
+            raise TraceError(
+                f"the step assigns parameter {fqn} (a new tensor, not an in-place update): a compiled step "
+                f"keeps the model's parameters; fix: update it in place (`with torch.no_grad(): "
+                f"p.copy_(new)`), or replace it outside the compiled step"
+            )
+    for fqn, before in buffers.items():
+        now = held.get(fqn, before)
+        if now is before:
+            continue
+        if not isinstance(now, torch.Tensor) or now.dtype != before.dtype or now.shape != before.shape:
+            shown = f"a {now.dtype} tensor of shape {tuple(now.shape)}" if isinstance(now, torch.Tensor) else type(now).__name__
+            raise TraceError(
+                f"the step assigns buffer {fqn} {shown}, where it is a {before.dtype} tensor of shape "
+                f"{tuple(before.shape)}: a compiled step writes an assigned buffer back into the model's "
+                f"buffer, so it must keep its dtype and shape; fix: assign a tensor of the same dtype and "
+                f"shape (`.to(dtype)`), or change the buffer outside the compiled step"
+            )
+        with torch.no_grad():
+            before.copy_(now)
 
 
 # FakeTensorMode's refusal of a real tensor (torch/_subclasses/fake_tensor.py, allow_non_fake_inputs=False).

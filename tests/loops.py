@@ -153,6 +153,8 @@ def run_loop(
         "ref_outs": ref_outs,
         "params": {k: _full(v).detach().clone() for k, v in compiled_pair["model"].named_parameters()},
         "ref_params": {k: v.detach().clone() for k, v in ref_pair["model"].named_parameters()},
+        "buffers": {k: _full(v).detach().clone() for k, v in compiled_pair["model"].named_buffers()},
+        "ref_buffers": {k: v.detach().clone() for k, v in ref_pair["model"].named_buffers()},
         "states": states(compiled_pair),
         "ref_states": states(ref_pair),
         "compilations": sum(len(v) for v in compiled.cache.values()),
@@ -301,6 +303,20 @@ def post_accumulate_grad_hook(i, pair):
         pair["model"].fc1.weight.register_post_accumulate_grad_hook(_clip_accumulated)
 
 
+class RunningMean(TwoLayer):
+    """Keeps a running mean of its output in a buffer it *assigns* (not updates in place) in training."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("output_mean", torch.zeros(4))
+
+    def forward(self, x):
+        out = super().forward(x)
+        if self.training:
+            self.output_mean = 0.9 * self.output_mean + 0.1 * out.detach().mean(0)
+        return out
+
+
 def _deep_mlp():
     layers = []
     for _ in range(10):
@@ -348,6 +364,8 @@ SCENARIOS: dict[str, dict] = {
     "gradient_hooks": dict(optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1), between=gradient_hooks),
     "forward_hook_added": dict(between=forward_hook_added),
     "post_accumulate_grad_hook": dict(optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1), between=post_accumulate_grad_hook),
+    # A buffer assigned in forward is written back like one updated in place.
+    "buffer_assigned": dict(model_fn=RunningMean),
     "adam_single_tensor_deep": dict(model_fn=_deep_mlp, optimizer_fn=lambda ps: torch.optim.Adam(ps, lr=1e-2), steps=5),
     "adam_foreach_deep": dict(model_fn=_deep_mlp, optimizer_fn=lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True), steps=5),
 }

@@ -18,7 +18,7 @@ RTOL, ATOL = 1e-4, 1e-5
 
 DDP = list(loops.SCENARIOS)
 CLIP = ["clip_grad_norm", "clip_grad_value", "grads_through_module", "zero_grad_set_to_none_false"]
-FSDP = CLIP + ["gradient_hooks", "forward_hook_added", "step_lr", "one_cycle_adam_foreach", "freeze_unfreeze", "zero_grad_first"]
+FSDP = CLIP + ["buffer_assigned", "gradient_hooks", "forward_hook_added", "step_lr", "one_cycle_adam_foreach", "freeze_unfreeze", "zero_grad_first"]
 TP = CLIP + ["cosine", "train_eval"]
 TWO_D = ["clip_grad_norm", "grads_through_module"]
 
@@ -34,6 +34,7 @@ ONE_COMPILATION = [
     "clip_grad_norm",
     "adam_foreach_deep",
     "module_attribute_not_read",
+    "buffer_assigned",
 ]
 
 
@@ -62,6 +63,9 @@ def check(per_rank: list[dict], name: str) -> dict:
         assert r["params"].keys() == r["ref_params"].keys()
         for k in r["ref_params"]:
             _close(r["params"][k], r["ref_params"][k], f"param {k}")
+        assert r["buffers"].keys() == r["ref_buffers"].keys()
+        for k in r["ref_buffers"]:
+            _close(r["buffers"][k], r["ref_buffers"][k], f"buffer {k}")
         assert r["states"].keys() == r["ref_states"].keys()
         for k in r["ref_states"]:
             _close(r["states"][k], r["ref_states"][k], f"state {k}")

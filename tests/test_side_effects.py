@@ -1,0 +1,214 @@
+"""Python state a traced step changes: kept, undone or refused, and always reported.
+
+``make_fx`` runs the step's Python once, when it is traced, on tensors that exist only while tracing.
+A step that appends its loss to a global list, counts calls in a dict, caches a tensor on a module or
+assigns a buffer would otherwise do so once, or keep a placeholder tensor, with no error
+(spmd_expand.trace._settle_state_changes, spmd_expand.python_values.StateWatch). Tracing-only, on a
+fake 4-rank mesh; the parity of an assigned buffer on real gloo ranks is the ``buffer_assigned``
+scenario of tests/loops.py.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import spmd_expand as spmd
+
+LOSSES: list = []
+STATS = {"steps": 0}
+LAST = None
+
+
+class Tracker:
+    """A user object a step logs into."""
+
+    def __init__(self):
+        self.history = []
+        self.count = 0
+
+
+TRACKER = Tracker()
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _train(model, optimizer, x):
+    loss = model(x).square().mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _compiled(fake_mesh, step):
+    return spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(step)
+
+
+def _call(fake_mesh, step, model=None):
+    model = model if model is not None else _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _compiled(fake_mesh, step)(model, optimizer, torch.randn(8, 8))
+    return [str(w.message) for w in caught if "spmd.compile" in str(w.message)]
+
+
+def _append_loss(model, optimizer, x):
+    loss = _train(model, optimizer, x)
+    LOSSES.append(loss)
+    return loss
+
+
+def _assign_loss(model, optimizer, x):
+    global LAST
+    loss = _train(model, optimizer, x)
+    LAST = loss
+    return loss
+
+
+def _log_into_object(model, optimizer, x):
+    loss = _train(model, optimizer, x)
+    TRACKER.count += 1
+    TRACKER.history.append(loss.detach())
+    return loss
+
+
+def test_a_loss_appended_to_a_global_list_is_refused_and_undone(fake_mesh):
+    LOSSES[:] = ["before"]
+    with pytest.raises(spmd.TraceError, match="global LOSSES of test_side_effects") as info:
+        _call(fake_mesh, _append_loss)
+    assert "1 -> 2 items" in str(info.value) and "return the value from the step" in str(info.value)
+    assert LOSSES == ["before"]  # the placeholder tensor did not stay behind
+
+
+def test_a_loss_assigned_to_a_global_is_refused_and_undone(fake_mesh):
+    global LAST
+    LAST = None
+    with pytest.raises(spmd.TraceError, match="global LAST of test_side_effects"):
+        _call(fake_mesh, _assign_loss)
+    assert LAST is None
+
+
+def test_every_change_is_undone_when_one_is_refused(fake_mesh):
+    """The counter was changed by the same refused trace: the call changes nothing."""
+    TRACKER.history, TRACKER.count = [], 0
+    with pytest.raises(spmd.TraceError, match=r"global TRACKER of test_side_effects\.history"):
+        _call(fake_mesh, _log_into_object)
+    assert TRACKER.history == [] and TRACKER.count == 0
+
+
+def test_python_bookkeeping_is_kept_and_reported(fake_mesh):
+    STATS["steps"] = 0
+
+    def step(model, optimizer, x):
+        STATS["steps"] += 1
+        return _train(model, optimizer, x)
+
+    messages = _call(fake_mesh, step)
+    assert STATS["steps"] == 1  # ran once, when traced, as the warning says
+    assert any("global STATS of test_side_effects ('steps': 0 -> 1)" in m and "not on every call" in m for m in messages), messages
+
+
+def test_a_failed_trace_undoes_the_python_changes_it_made(fake_mesh):
+    STATS["steps"] = 0
+
+    def step(model, optimizer, x):
+        STATS["steps"] += 1
+        loss = _train(model, optimizer, x)
+        if loss > 0:  # data-dependent: refused
+            return loss
+        return -loss
+
+    with pytest.raises(spmd.TraceError, match="depends on tensor values|data-dependent"):
+        _call(fake_mesh, step)
+    assert STATS["steps"] == 0
+
+
+class CachingModule(nn.Module):
+    """Caches a tensor derived from its input on itself, as HF wav2vec2-BERT's rotary embedding does."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.cached = None
+
+    def forward(self, x):
+        if self.cached is None:
+            self.cached = torch.ones(x.shape[-1])
+        return self.fc(x * self.cached)
+
+
+def test_a_tensor_cached_on_a_module_is_undone_with_a_warning(fake_mesh):
+    model = CachingModule()
+    messages = _call(fake_mesh, _train, model)
+    assert model.cached is None
+    assert any("model (cached: None -> a tensor computed in the step)" in m and "undone" in m for m in messages), messages
+
+
+class Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.fc(x)
+
+
+def test_a_counter_on_a_module_counts_every_call_by_compiling_again(fake_mesh):
+    """The step reads the counter it changes: each call sees a new value, compiles again and counts."""
+    model = Counting()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = _compiled(fake_mesh, _train)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            step(model, optimizer, torch.randn(8, 8))
+    assert model.calls == 3
+    assert sum("model (calls: " in str(w.message) for w in caught) == 3
+
+
+class Reassigning(nn.Module):
+    def __init__(self, replace_weight=False, new_shape=None):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.register_buffer("ema", torch.zeros(4))
+        self.replace_weight, self.new_shape = replace_weight, new_shape
+
+    def forward(self, x):
+        out = self.fc(x)
+        if self.replace_weight:
+            self.fc.weight = nn.Parameter(self.fc.weight * 2)
+        self.ema = out.detach().mean(0) if self.new_shape is None else out.detach().mean().expand(*self.new_shape)
+        return out
+
+
+def test_assigning_a_parameter_in_the_step_is_refused(fake_mesh):
+    model = Reassigning(replace_weight=True)
+    weight = model.fc.weight.detach().clone()
+    with pytest.raises(spmd.TraceError, match=r"assigns parameter fc\.weight .*copy_"):
+        _call(fake_mesh, _train, model)
+    assert torch.equal(model.fc.weight.full_tensor(), weight)  # a DTensor now, with the same values
+
+
+def test_assigning_a_buffer_of_another_shape_is_refused(fake_mesh):
+    model = Reassigning(new_shape=(2, 2))
+    with pytest.raises(spmd.TraceError, match=r"assigns buffer ema a torch.float32 tensor of shape \(2, 2\), where it is a torch.float32 tensor of shape \(4,\)"):
+        _call(fake_mesh, _train, model)
+    assert model.ema.shape == (4,)
+
+
+def test_an_assigned_buffer_is_written_back(fake_mesh):
+    """Each rank's local value on the fake group: the buffer is no longer its zeros (parity on real
+    ranks: loops.py ``buffer_assigned``)."""
+    model = Reassigning()
+    messages = _call(fake_mesh, _train, model)
+    assert not messages and model.ema.abs().sum() > 0
