@@ -6,6 +6,8 @@
 * Factory ops (``zeros``, ``ones``, ``full``, ``empty``, ``arange``, ...) have no tensor input to take a
   placement from. Their sizes decide: a size that is a sharded :class:`~spmd_expand.dsymint.DSymInt`
   (e.g. the batch size) makes that dim ``Shard`` on the DSymInt's mesh dims; otherwise ``Replicate``.
+  Any other op with no tensor argument (``linspace``, ``logspace``, ``tril_indices``, window
+  functions) is ``Replicate``: every rank computes it from the same global arguments.
 * Functional ops whose in-place twin has a DTensor strategy but which have none themselves (e.g.
   ``_foreach_addcdiv.Scalar``; functionalization turns the optimizers' in-place foreach ops into these):
   the twin's own DTensor strategy is registered for them. The strategy only chooses placements, which
@@ -600,9 +602,34 @@ def _embedding_renorm_sharding(weight, indices, max_norm, norm_type):
     return [([Replicate()], [Replicate(), Replicate(), None, None])]
 
 
+def constant_rule_for_untensored(node: fx.Node, prop):
+    """An op with no tensor argument that has no rule of its own (``linspace``, ``logspace``,
+    ``tril_indices``, window functions): every rank computes the same value from the same global
+    arguments (a batch size is passed as its global value), so the output is replicated."""
+    replicated = tuple(Replicate() for _ in range(prop.mesh.ndim))
+    val = node.meta["val"]
+    if isinstance(val, (list, tuple)):
+        return NodeSharding(inputs=(), output=[tensor_spec(prop.mesh, replicated, v) for v in val])
+    return NodeSharding(inputs=(), output=tensor_spec(prop.mesh, replicated, val))
+
+
+def _takes_no_tensor(target: Any) -> bool:
+    """An ATen op none of whose arguments is a tensor (or a list of them), returning tensors."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    schema = target._schema
+    return (
+        not any("Tensor" in str(a.type) for a in schema.arguments)
+        and bool(schema.returns)
+        and all("Tensor" in str(r.type) for r in schema.returns)
+    )
+
+
 def lookup(target: Any) -> Optional[Callable]:
     """The spmd_expand rule for ``target``, or None where DTensor's own rule applies."""
     rule = _RULES.get(target)
     if rule is None and rng.is_random(target):
         return random_rule
+    if rule is None and _takes_no_tensor(target):
+        return constant_rule_for_untensored
     return rule

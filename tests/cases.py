@@ -130,6 +130,25 @@ class FillPartialModel(nn.Module):
         return out * ones
 
 
+class BatchOrderStatistics(nn.Module):
+    """Losses that rank the whole batch (OHEM's top-k, a sort weighted by ``linspace`` sized by the
+    batch, a median, a cumulative sum): each row's weight depends on every other row, so no rank's
+    shard alone has it (``linspace`` had no rule)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        out = self.fc(x)
+        score = out.square().sum(1)
+        ranked, _ = score.sort(descending=True)
+        weights = torch.linspace(1.0, 0.5, score.shape[0])
+        hardest = score.topk(score.shape[0] // 2).values.mean()
+        extra = (ranked * weights).sum() / weights.sum() + score.median() + score.cumsum(0)[-1] / 100 + hardest
+        return out + extra
+
+
 class ExplicitRenorm(nn.Module):
     """``nn.Embedding(max_norm=1)`` written out: the looked-up rows of the weight parameter are rescaled
     in place before the lookup (``embedding_renorm_`` on the parameter: indices of every rank's batch)."""
@@ -335,6 +354,7 @@ CASES: dict[str, Case] = {
     "fill_partial": Case(FillPartialModel, "sgd", _xy, cross_entropy_step),
     "explicit_renorm": Case(ExplicitRenorm, "sgd", lambda g: (torch.randint(0, 32, (GLOBAL_BATCH, 6), generator=g), torch.randint(0, 4, (GLOBAL_BATCH,), generator=g)), cross_entropy_step),
     "arange": Case(ArangeModel, "sgd", _xy, cross_entropy_step),
+    "batch_order_statistics": Case(BatchOrderStatistics, "sgd", _xy, cross_entropy_step),
     "sym_numel": Case(NumelModel, "sgd", _x, _scalar_step),
     "stride": Case(StrideModel, "sgd", _x, _scalar_step),
     "stack": Case(StackModel, "sgd", _x, _scalar_step),

@@ -31,6 +31,7 @@ FSDP_W2 = [
     "mlp_rmsprop_foreach",
     "mlp_adamw_staggered",
     "explicit_renorm",
+    "batch_order_statistics",
     "mlp_uneven",
     "mlp_microbatch",
     "gpt_adamw",
