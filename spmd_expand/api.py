@@ -409,7 +409,7 @@ class CompiledStep:
                     self._distribute_state(model, optimizer)
         else:
             self._resolved = self._binding.resolved
-        check_batch(batch_leaves, self._resolved, self.mesh)
+        check_batch(batch_leaves, self._resolved, self.mesh, constants)
         # The step updates local shards in place; autograd must not track that.
         with torch.no_grad():
             if bound is not None:

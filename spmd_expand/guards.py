@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import re
 import weakref
 import zlib
 from dataclasses import dataclass
@@ -278,26 +279,37 @@ def mesh_group(mesh: DeviceMesh):
     return _SUBMESH_GROUPS[key]
 
 
-def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: DeviceMesh) -> None:
-    """Check that every rank of ``mesh`` passes local batches of the same shapes and dtypes.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: DeviceMesh, constants: Sequence[str] = ()) -> None:
+    """Check that every rank of ``mesh`` passes local batches of the same shapes and dtypes, and the
+    same non-tensor arguments (``constants``: their ``repr``).
 
     Data-parallel ranks must hold equal parts of the global batch (DTensor's even split is what the
-    compiled graph assumes) and tensor-parallel ranks the same batch. Costs one all-gather of 4 int64
-    per call over the mesh's ranks (skipped on torch's fake process group, which has one real process).
+    compiled graph assumes) and tensor-parallel ranks the same batch. A non-tensor argument is a value
+    of the one global program: a rank passing another one (a count of its own batch's tokens) would
+    run a graph compiled for another value, with the same collectives, and nothing would notice.
+    Costs one all-gather of 4 int64 per call over the mesh's ranks (skipped on torch's fake process
+    group, which has one real process).
 
     Raises:
-        BatchError: on every rank at once, naming each rank's shapes or problem, when ranks differ,
-            a local batch is empty, a batch tensor lacks the batch dim, or tensors disagree on it.
+        BatchError: on every rank at once, naming each rank's shapes, arguments or problem, when ranks
+            differ, a local batch is empty, a batch tensor lacks the batch dim, or tensors disagree on it.
     """
     problems = _batch_problems(leaves, plan)
     shapes = [(tuple(t.shape), str(t.dtype)) for t in leaves]
+    # An object's default repr names its address, which differs between processes.
+    constants = tuple(_ADDRESS.sub("", c) for c in constants)
     if dist.get_backend() == "fake":
         if problems:
             raise BatchError("; ".join(problems))
         return
     group = mesh_group(mesh)
     digest = torch.tensor(
-        [zlib.crc32(repr(shapes).encode()), len(leaves), int(bool(problems)), 0], dtype=torch.int64, device=mesh.device_type
+        [zlib.crc32(repr(shapes).encode()), len(leaves), int(bool(problems)), zlib.crc32(repr(constants).encode())],
+        dtype=torch.int64,
+        device=mesh.device_type,
     )
     gathered = torch.empty(dist.get_world_size(group) * 4, dtype=torch.int64, device=digest.device)
     try:
@@ -316,10 +328,20 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: Device
         return
     # Something differs: every rank learns the details, and every rank raises the same error.
     reports: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(reports, (shapes, problems), group=group)
+    dist.all_gather_object(reports, (shapes, problems, constants), group=group)
     ranks = dist.get_process_group_ranks(group)
+    if all(r[:2] == reports[0][:2] and not r[1] for r in reports):
+        shown = "\n".join(f"  rank {rank}: {', '.join(c)}" for rank, (_, _, c) in zip(ranks, reports))
+        raise BatchError(
+            "the ranks pass different non-tensor arguments to the step:\n" + shown + "\n"
+            "  a compiled step is one program over the global batch, and a Python argument is one of its "
+            "constants, the same on every rank\n"
+            "  fix: pass every rank the same value; a value computed from a rank's own batch (a count of "
+            "its tokens) is computed inside the step instead, where the batch is the global one "
+            "(`(labels != -100).sum()` there counts the global batch's tokens)"
+        )
     lines = []
-    for rank, (rank_shapes, rank_problems) in zip(ranks, reports):
+    for rank, (rank_shapes, rank_problems, _) in zip(ranks, reports):
         shown = ", ".join(f"{tuple(s)} {d.replace('torch.', '')}" for s, d in rank_shapes)
         lines.append(f"  rank {rank}: {shown}" + "".join(f"\n    problem: {p}" for p in rank_problems))
     raise BatchError(

@@ -410,6 +410,18 @@ def run_scenarios(rank: int, world: int, names: list[str], plan: str = "ddp") ->
 
 
 # ---------------------------------------------------------------- refused batches
+class _Options:
+    """A plain object passed to the step (its default repr names its address)."""
+
+
+def scaled_step(model, optimizer, x, y, scale, options=None):
+    loss = F.cross_entropy(model(x), y) * scale
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
 def run_bad_batches(rank: int, world: int) -> dict:
     """Worker: each case passes batches the plan cannot split; returns the error text per case."""
     mesh = init_device_mesh("cpu", (world,))
@@ -439,6 +451,20 @@ def run_bad_batches(rank: int, world: int) -> dict:
         results["missing_batch_dim"] = "no error"
     except spmd.SpmdError as e:
         results["missing_batch_dim"] = f"{type(e).__name__}: {e}"
+    # A Python argument is a constant of the one program: ranks passing different values are refused,
+    # also when each value's graph is already compiled (no trace, so no graph comparison, would see it).
+    step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(scaled_step)
+    model, x_y = TwoLayer(), _batch(0, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step(model, optimizer, *x_y, 1.0)
+    step(model, optimizer, *x_y, 2.0)
+    try:
+        step(model, optimizer, *x_y, [1.0, 2.0][rank])
+        results["different_constants"] = "no error"
+    except spmd.SpmdError as e:
+        results["different_constants"] = f"{type(e).__name__}: {e}"
+    # An argument whose repr names its address (different in each process) is the same value.
+    step(model, optimizer, *x_y, 1.0, _Options())
     # After refusals, a good batch still trains (nothing was lost, no rank is stuck).
     x, y = _batch(1, 4)
     step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(classification_step)

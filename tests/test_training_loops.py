@@ -123,6 +123,8 @@ def test_refused_batches():
         assert "rank 1: (3, 16)" in res["global_7"]
         assert "empty on batch dim 0" in res["empty_rank"], res["empty_rank"]
         assert "no batch dim 2" in res["missing_batch_dim"], res["missing_batch_dim"]
+        assert res["different_constants"].startswith("BatchError: the ranks pass different non-tensor arguments"), res["different_constants"]
+        assert "rank 0: 1.0\n  rank 1: 2.0" in res["different_constants"]
         assert torch.isfinite(res["after"])
     assert per_rank[0]["uneven_4_6"] == per_rank[1]["uneven_4_6"]  # every rank raises the same error
 
