@@ -18,14 +18,20 @@ What is recorded:
 * **globals and closure variables**, by reading the code: the names the step function loads as
   globals or from closure cells (``LOAD_GLOBAL`` / ``LOAD_DEREF``), in its nested functions, in the
   Python functions it reaches that way, and in the ``forward`` of each module class, whose values are
-  such scalars; library code (torch, site-packages) is not followed.
+  such scalars; library code (torch, site-packages) is not followed;
+* **attributes of settings objects**, exactly those read: a HuggingFace ``config`` a module holds
+  (``self.config.output_hidden_states``), an ``argparse.Namespace``, dataclass or ``SimpleNamespace``
+  a global or closure variable holds (``cfg.label_smoothing``), the object a bound-method step
+  belongs to (``self.alpha`` of a trainer's ``train_step``): each gets a recording subclass while
+  the step is traced, as modules do (:func:`is_settings_object` says which objects; one whose class
+  refuses it has every scalar attribute it holds recorded).
 
 torch's global state (autocast, default dtype, ...) is compared too, with torch's own
 ``GlobalStateGuard`` (:class:`GlobalState`): a step traced under ``torch.autocast`` is not reused
 outside it.
 
-Not recorded: attributes of other objects (``self.config.x`` of a HuggingFace config) and values read
-through ``__dict__``. Tensors are never baked: a tensor the step reads must be an input
+Not recorded: values read through ``__dict__``, and attributes of objects reached in other ways
+(an element of a list of configs, an object of torch's). Tensors are never baked: a tensor the step reads must be an input
 (:func:`spmd_expand.trace.trace_step` refuses the rest).
 
 Python state the step *writes* is the other half (:class:`StateWatch`): the step's Python runs when
@@ -42,12 +48,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import dis
+import functools
 import operator
 import sys
 import types
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -60,9 +67,12 @@ __all__ = [
     "StateChange",
     "StateWatch",
     "code_reads",
+    "RecordedReads",
     "code_writes",
     "forward_functions",
-    "record_module_reads",
+    "is_settings_object",
+    "record_reads",
+    "settings_variables",
 ]
 
 _SCALAR_TYPES = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
@@ -143,6 +153,11 @@ class PythonGuards:
         whole: set = set()
         for read in reads:
             place, module = _nearest_submodule(model, read.fqn)
+            if read.via is not None:
+                # A settings object a module holds (self.config): guarded where the model holds it now.
+                if place == read.fqn and vars(module).get(read.via) is read.held:
+                    self.values.append(_attribute_value(module, place, f"{read.via}.{read.name}", read.value))
+                continue
             if module is read.module:
                 self.values.append(_attribute_value(module, place, read.name, read.value))
             elif id(module) not in whole:
@@ -199,8 +214,10 @@ def _recording_class(cls: type) -> Optional[type]:
             return value
 
         try:
+            # __slots__ = (): the same layout, so objects of a class with slots can take it too.
             sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__,
-                                              "__qualname__": cls.__qualname__, "_spmd_recording_of": cls})
+                                              "__qualname__": cls.__qualname__, "_spmd_recording_of": cls,
+                                              "__slots__": ()})
         except Exception:  # noqa: BLE001 - a class that cannot be subclassed keeps its reads unrecorded
             return None
         _recording_classes[cls] = sub
@@ -210,44 +227,136 @@ def _recording_class(cls: type) -> Optional[type]:
 @dataclass(frozen=True)
 class ModuleRead:
     """A scalar attribute read while tracing: the module read (maybe a trace-time stand-in), its
-    place in the model, the attribute and the value first read."""
+    place in the model, the attribute and the value first read. With ``via``, the read was of the
+    plain object ``held`` in the module's attribute ``via`` (``self.config.use_cache``)."""
 
     module: nn.Module
     fqn: str
     name: str
     value: Any
+    via: Optional[str] = None
+    held: Any = None
+
+
+@dataclass
+class RecordedReads:
+    """What :func:`record_reads` noted: module reads to bind to the model later, and reads of the
+    plain objects that globals and closure variables hold, as checks already."""
+
+    module_reads: list[ModuleRead] = field(default_factory=list)
+    values: list[PythonValue] = field(default_factory=list)
+
+
+# Classes whose objects are machinery, not settings: never given a recording class.
+_NOT_SETTINGS = (
+    nn.Module, torch.Tensor, torch.optim.Optimizer, type, types.ModuleType, types.FunctionType, types.MethodType,
+    types.BuiltinFunctionType, functools.partial, weakref.ref,
+)
+_MACHINERY_PACKAGES = frozenset({"torch", "spmd_expand", "logging", "threading", "multiprocessing", "numpy"})
+
+
+def is_settings_object(value: Any) -> bool:
+    """An object a step or a forward reads settings from: a HuggingFace config, an
+    ``argparse.Namespace``, a dataclass or ``SimpleNamespace`` of hyperparameters. Not a module,
+    tensor, optimizer, function, class or Python module, and not an object of torch, spmd_expand,
+    ``logging``, threads or numpy."""
+    if isinstance(value, _NOT_SETTINGS) or is_scalar(value):
+        return False
+    cls = type(value)
+    if (cls.__module__ or "").split(".")[0] in _MACHINERY_PACKAGES:
+        return False
+    return hasattr(value, "__dict__") or bool(getattr(cls, "__slots__", ()))
+
+
+def _scalar_attributes(obj: Any) -> dict[str, Any]:
+    """Every scalar attribute an object holds (its ``__dict__`` and slots), copied."""
+    found = {k: v for k, v in getattr(obj, "__dict__", {}).items() if is_scalar(v)}
+    for cls in type(obj).__mro__:
+        for name in getattr(cls, "__slots__", ()) if not isinstance(getattr(cls, "__slots__", ()), str) else (cls.__slots__,):
+            value = getattr(obj, name, _MISSING)
+            if value is not _MISSING and is_scalar(value):
+                found[name] = value
+    return {k: _frozen(v) for k, v in found.items()}
+
+
+def _give_recording_class(obj: Any, swapped: list) -> bool:
+    cls = type(obj)
+    sub = _recording_class(cls)
+    if sub is None:
+        return False
+    try:
+        object.__setattr__(obj, "__class__", sub)  # object's: a frozen dataclass refuses its own setattr
+    except (TypeError, AttributeError):  # a layout or a C type refuses __class__ assignment
+        return False
+    swapped.append((obj, cls))
+    return True
 
 
 @contextlib.contextmanager
-def record_module_reads(model: nn.Module) -> Iterator[list]:
-    """While inside, note every scalar attribute read of ``model``'s modules; yields a list that holds,
-    on exit, one :class:`ModuleRead` per (module, attribute) read, with the value first read
-    (:meth:`PythonGuards.bind` turns them into checks)."""
+def record_reads(model: nn.Module, held: Sequence[tuple[str, Any, Callable[[], Any]]] = ()) -> Iterator[RecordedReads]:
+    """While inside, note every scalar attribute read of ``model``'s modules, of the settings objects
+    (:func:`is_settings_object`) their attributes hold (``self.config``), and of the settings objects
+    in ``held``: ``(description, object, reader)`` for each global or closure variable that holds one
+    (``reader()`` returns what the variable holds at the time). Yields a :class:`RecordedReads` filled
+    on exit: one read per (object, attribute), with the value first read. An object whose class
+    refuses a recording subclass (``SimpleNamespace``) has every scalar attribute it holds recorded.
+    """
     names: dict[int, str] = {}
     for fqn, module in model.named_modules(remove_duplicate=False):
         names.setdefault(id(module), fqn)
-    swapped = []
+    holders: dict[int, tuple] = {}  # id(settings object) -> (module, fqn, attribute) | (description, reader)
+    for fqn, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if attr not in _MODULE_OWN and is_settings_object(value):
+                holders.setdefault(id(value), (value, ("module", module, fqn, attr)))
+    for description, value, reader in held:
+        if is_settings_object(value):
+            holders.setdefault(id(value), (value, ("global", description, reader)))
+    swapped: list = []
     reads: dict = {}
-    result: list[ModuleRead] = []
+    result = RecordedReads()
+    whole: list = []  # settings objects that refused a recording class
     try:
         for module in model.modules():
-            cls = type(module)
-            sub = _recording_class(cls)
-            if sub is None:
-                continue
-            try:
-                module.__class__ = sub
-            except TypeError:  # a layout __class__ assignment refuses (slots): not recorded
-                continue
-            swapped.append((module, cls))
+            _give_recording_class(module, swapped)
+        for value, where in holders.values():
+            if not _give_recording_class(value, swapped):
+                whole.append((value, where, _scalar_attributes(value)))
         _recorders.append(reads)
         yield result
     finally:
         if _recorders and _recorders[-1] is reads:
             _recorders.pop()
-        for module, cls in swapped:
-            module.__class__ = cls
-    result += [ModuleRead(m, names[id(m)], name, value) for m, name, value in reads.values() if id(m) in names]
+        for obj, cls in swapped:
+            object.__setattr__(obj, "__class__", cls)
+    found = [(obj, name, value) for obj, name, value in reads.values()]
+    found += [(obj, name, value) for obj, _, attributes in whole for name, value in attributes.items()]
+    for obj, name, value in found:
+        if id(obj) in names:
+            result.module_reads.append(ModuleRead(obj, names[id(obj)], name, value))
+        elif id(obj) in holders:
+            where = holders[id(obj)][1]
+            if where[0] == "module":
+                _, module, fqn, attr = where
+                result.module_reads.append(ModuleRead(module, fqn, name, value, via=attr, held=obj))
+            else:
+                _, description, reader = where
+                result.values.append(PythonValue(f"attribute {name} of {description}", _attribute_reader(reader, name), value))
+
+
+def _attribute_reader(holder: Callable[[], Any], name: str) -> Callable[[], Any]:
+    get = operator.attrgetter(name)
+
+    def read() -> Any:
+        obj = holder()
+        if obj is _MISSING:
+            return _MISSING
+        try:
+            return get(obj)
+        except AttributeError:
+            return _MISSING
+
+    return read
 
 
 def _nearest_submodule(model: nn.Module, fqn: str) -> tuple[str, nn.Module]:
@@ -379,6 +488,29 @@ def _stores(fn: types.FunctionType) -> Iterator[tuple[str, str, str]]:
                 line = ins.positions.lineno if ins.positions is not None else c.co_firstlineno
                 yield ("global" if "GLOBAL" in ins.opname else "cell"), ins.argval, f"{c.co_filename}:{line}"
         stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+
+
+def settings_variables(functions: list[Callable], depth: int = 4) -> list[tuple[str, Any, Callable[[], Any]]]:
+    """(description, object, reader) of each global or closure variable of the user's ``functions``
+    (followed as :func:`code_reads` follows them) that holds a settings object
+    (:func:`is_settings_object`: ``cfg.alpha``, ``args.label_smoothing``), and of the object a bound
+    method among ``functions`` belongs to (``self.cfg`` of a trainer's ``train_step``), for
+    :func:`record_reads`."""
+    result: list = []
+    seen: set = set()
+    for fn in functions:
+        owner = getattr(fn, "__self__", None)
+        if owner is not None and is_settings_object(owner) and id(owner) not in seen:
+            seen.add(id(owner))
+            result.append((f"the {type(owner).__qualname__} object of {fn.__qualname__}", owner, lambda owner=owner: owner))
+    for fn in _user_functions(functions, depth):
+        for kind, name, key, value, read in _loaded_values(fn):
+            if key in seen or not is_settings_object(value):
+                continue
+            seen.add(key)
+            label = f"global {name} of {fn.__module__}" if kind == "global" else f"closure variable {name} of {fn.__qualname__}"
+            result.append((label, value, read))
+    return result
 
 
 def code_writes(functions: list[Callable], depth: int = 4) -> list[str]:

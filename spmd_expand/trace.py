@@ -57,7 +57,8 @@ from .python_values import (
     code_reads,
     code_writes,
     forward_functions,
-    record_module_reads,
+    record_reads,
+    settings_variables,
 )
 from .errors import TraceError, node_error, user_source_line
 from .loss_parallel import MarkLossParallel
@@ -662,7 +663,7 @@ def trace_step(
         for p in g["params"]
     }
     outputs: list[OutputRole] = []
-    module_reads: list = []
+    recorded: list = []
     cleared_grads: list[str] = []
     return_spec: list[tuple[pytree.TreeSpec, list[bool]]] = []
 
@@ -709,9 +710,9 @@ def trace_step(
             ), mark_boundaries(model, module_layouts or {}), _cast_root_io(
                 model, mixed_precision.policy if mixed_precision else None
             ), mode:
-                with record_module_reads(model) as reads:
+                with record_reads(model, settings_objects) as reads:
                     result = fn(*call_args, **call_kwargs)
-                module_reads[:] = reads
+                recorded[:] = [reads]
                 for original, wide, fqn, key in widened:
                     original.copy_(wide)
                     if optimizer.state[params[fqn]].get(key) is wide:
@@ -751,6 +752,7 @@ def trace_step(
         return out
 
     user_functions = [fn, *forward_functions(model)]
+    settings_objects = settings_variables(user_functions)
     state = StateWatch(user_functions, model)
     try:
         with torch.compiler._compile_session_context(), torch.enable_grad():
@@ -833,7 +835,7 @@ def trace_step(
         fake_mode,
         hyperparameters,
         _hyperparameter_guards(shape_env, symbols, hyperparameters),
-        PythonGuards(code_reads(user_functions), global_state, list(module_reads)),
+        PythonGuards(code_reads(user_functions) + recorded[-1].values, global_state, recorded[-1].module_reads),
     )
 
 

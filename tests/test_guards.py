@@ -9,7 +9,10 @@ step compiles again), and that what is a graph input (learning rate, betas, valu
 
 from __future__ import annotations
 
+import argparse
 import copy
+import dataclasses
+import types
 
 import pytest
 import torch
@@ -325,3 +328,130 @@ def test_a_read_of_a_module_with_no_place_in_the_model_guards_the_nearest_one():
     assert guards.check() is None
     model.act.approximate = "tanh"
     assert "act.approximate" in guards.check()
+
+
+# ------------------------------------------------------------------ settings objects the trace read
+
+ARGS = argparse.Namespace(label_smoothing=0.0, epochs=10)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    scale: float = 1.0
+
+
+@dataclasses.dataclass(slots=True)
+class _Slotted:
+    scale: float = 1.0
+
+
+def _settings_step(settings):
+    """A step that reads ``settings.scale`` (the object is a closure variable)."""
+
+    def step(model, optimizer, x):
+        loss = model(x).square().mean() * settings.scale
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return step
+
+
+def _args_step(model, optimizer, x):
+    y = torch.zeros(x.shape[0], dtype=torch.long)
+    loss = nn.functional.cross_entropy(model(x), y, label_smoothing=ARGS.label_smoothing)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_an_attribute_of_a_global_namespace_is_guarded_exactly_as_read(fake_mesh):
+    """``args.label_smoothing`` changed between calls compiles again (it is a constant of the graph);
+    ``args.epochs``, which the step never reads, changes nothing."""
+    model, optimizer, step, x = _compiled(fake_mesh, _args_step)
+    try:
+        step(model, optimizer, x)
+        first = step.last
+        ARGS.epochs = 11
+        step(model, optimizer, x)
+        assert step.last is first
+        ARGS.label_smoothing = 0.1
+        with pytest.warns(UserWarning, match=r"attribute label_smoothing of global ARGS of test_guards == 0.0 \(now 0.1\)"):
+            step(model, optimizer, x)
+        assert step.last is not first
+        assert type(ARGS) is argparse.Namespace  # its class is given back after tracing
+    finally:
+        ARGS.label_smoothing, ARGS.epochs = 0.0, 10
+
+
+@pytest.mark.parametrize("make", [_Frozen, _Slotted, lambda: types.SimpleNamespace(scale=1.0)], ids=["frozen_dataclass", "slots_dataclass", "simple_namespace"])
+def test_an_attribute_of_a_settings_object_in_a_closure_is_guarded(fake_mesh, make):
+    settings = make()
+    model, optimizer, step, x = _compiled(fake_mesh, _settings_step(settings))
+    step(model, optimizer, x)
+    first = step.last
+    object.__setattr__(settings, "scale", 2.0)
+    with pytest.warns(UserWarning, match=r"attribute scale of closure variable settings of .* == 1.0 \(now 2.0\)"):
+        step(model, optimizer, x)
+    assert step.last is not first
+    scales = {a for n in step.last.traced.graph_module.graph.nodes if n.target is torch.ops.aten.mul.Tensor for a in n.args}
+    assert 2.0 in scales  # the new graph multiplies by the new value
+    assert type(settings) is type(make())
+
+
+class _Config:
+    """A model config as HuggingFace models hold it (``self.config``), shared by several modules."""
+
+    def __init__(self):
+        self.residual_scale = 1.0
+        self.vocab_size = 32
+
+
+class _Configured(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config = _Config()
+        self.inner = Net()
+        self.inner.config = self.config
+
+    def forward(self, x):
+        return self.inner(x) * self.config.residual_scale
+
+
+def test_an_attribute_of_a_config_a_module_holds_is_guarded(fake_mesh):
+    model, optimizer, step, x = _compiled(fake_mesh, _step, _Configured)
+    step(model, optimizer, x)
+    first = step.last
+    model.config.vocab_size = 64  # not read by forward
+    step(model, optimizer, x)
+    assert step.last is first
+    model.config.residual_scale = 0.5
+    with pytest.warns(UserWarning, match=r"attribute config.residual_scale of the model == 1.0 \(now 0.5\)"):
+        step(model, optimizer, x)
+    assert step.last is not first
+    assert type(model.config) is _Config
+
+
+class _Trainer:
+    def __init__(self):
+        self.loss_scale = 1.0
+
+    def train_step(self, model, optimizer, x):
+        loss = model(x).square().mean() * self.loss_scale
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+
+def test_an_attribute_of_the_object_a_method_step_belongs_to_is_guarded(fake_mesh):
+    trainer = _Trainer()
+    model, optimizer, step, x = _compiled(fake_mesh, trainer.train_step)
+    step(model, optimizer, x)
+    first = step.last
+    trainer.loss_scale = 4.0
+    with pytest.warns(UserWarning, match=r"attribute loss_scale of the _Trainer object of _Trainer.train_step == 1.0 \(now 4.0\)"):
+        step(model, optimizer, x)
+    assert step.last is not first
