@@ -800,17 +800,9 @@ def trace_step(
             where = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}.step()"
             hint = _optimizer_hint(optimizer, data_dependent)
         else:
-            where = f"the train step at {_user_frame(e)}{_library_frame(e)}"
-            hint = (
-                "torch.amp.GradScaler.step() skips optimizer.step() when a gradient is inf/NaN, a branch on "
-                "tensor values that one compiled graph cannot take; autocast to bfloat16 (no loss scaling "
-                "needed) or scale the loss by a constant and divide the gradients by it before optimizer.step()"
-                if data_dependent and "grad_scaler.py" in _library_frame(e)
-                else "the step branches on tensor values (data-dependent control flow); compute the branch "
-                "with torch.where or move it out of the step"
-                if data_dependent
-                else "make sure the step runs eagerly on one device first; see the chained exception"
-            )
+            library = _library_frame(e)
+            where = f"the train step at {_user_frame(e)}{library}"
+            hint = _trace_failure_hint(kind, str(e), data_dependent, library)
         raise TraceError(f"could not trace {where}: {kind}: {str(e).splitlines()[0] if str(e) else ''}\n  fix: {hint}") from e
 
     for write in code_writes([fn]):
@@ -946,6 +938,39 @@ def _user_frame(e: BaseException) -> str:
         return "<unknown source>"
     f = frames[-1]
     return f'File "{f.filename}", line {f.lineno}, in {f.name}: {(f.line or "").strip()}'
+
+
+def _trace_failure_hint(kind: str, message: str, data_dependent: bool, library: str) -> str:
+    """The fix for a step that failed to trace outside the optimizer: ``kind`` and ``message`` are the
+    exception's, ``library`` is :func:`_library_frame`'s text (where in torch it failed, or "")."""
+    if data_dependent and "grad_scaler.py" in library:
+        return (
+            "torch.amp.GradScaler.step() skips optimizer.step() when a gradient is inf/NaN, a branch on "
+            "tensor values that one compiled graph cannot take; autocast to bfloat16 (no loss scaling "
+            "needed) or scale the loss by a constant and divide the gradients by it before optimizer.step()"
+        )
+    if data_dependent and "torch/distributions/" in library:
+        return (
+            "torch.distributions checks its arguments' values when it builds a distribution (validate_args, on "
+            "by default), a branch on tensor values; pass validate_args=False to the distribution, or call "
+            "torch.distributions.Distribution.set_default_validate_args(False) once before the step"
+        )
+    if data_dependent and library:
+        return (
+            f"torch's code{library} reads a tensor's value (an argument check such as `if (var < 0).any(): "
+            f"raise`, or a branch), which one graph cannot hold; write that computation out without the check, "
+            f"or move it out of the step"
+        )
+    if data_dependent:
+        return "the step branches on tensor values (data-dependent control flow); compute the branch with torch.where or move it out of the step"
+    if kind == "DynamicOutputShapeException":
+        op = message.splitlines()[0] if message else "an op"
+        return (
+            f"the output shape of {op} depends on the values of its tensor arguments (torch's fake tensors "
+            f"cannot know it before running, as for F.ctc_loss), so it cannot be part of a traced graph; keep "
+            f"that op out of the compiled step"
+        )
+    return "make sure the step runs eagerly on one device first; see the chained exception"
 
 
 def _library_frame(e: BaseException) -> str:

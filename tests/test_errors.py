@@ -364,3 +364,57 @@ def test_grad_scaler_names_the_scaler_and_the_fix(fake_mesh):
         ddp(fake_mesh, step)(model, sgd(model), torch.randn(4, 8))
     msg = str(info.value)
     assert "scaler.step(optimizer)" in msg and "grad_scaler.py" in msg and "bfloat16" in msg, msg
+
+
+class _Gaussian(nn.Module):
+    """A VAE's encoder: a ``torch.distributions.Normal`` built in forward (it validates by default)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        mu, logvar = self.fc(x).chunk(2, -1)
+        q = torch.distributions.Normal(mu, (0.5 * logvar).exp())
+        return q.rsample().square().mean()
+
+
+def _model_loss_step(model, optimizer, x):
+    loss = model(x)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _gaussian_nll_step(model, optimizer, x):
+    out = model(x)
+    loss = nn.GaussianNLLLoss()(out[:, 0], x[:, 0], out[:, 1].exp())
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _ctc_step(model, optimizer, x):
+    log_probs = model(x).log_softmax(-1).unsqueeze(0).expand(5, -1, -1)  # T=5, B, C=4
+    targets = torch.ones(x.shape[0], 2, dtype=torch.long)
+    loss = nn.functional.ctc_loss(log_probs, targets, [5] * x.shape[0], [2] * x.shape[0])
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+@pytest.mark.parametrize(
+    "model, step_fn, fix",
+    [
+        (_Gaussian, _model_loss_step, "validate_args=False"),
+        (_mlp, _gaussian_nll_step, "inside torch/nn/functional.py in gaussian_nll_loss reads a tensor's value"),
+        (_mlp, _ctc_step, "output shape of aten._ctc_loss.default depends on the values"),
+    ],
+    ids=["distribution_validates_args", "gaussian_nll_checks_var", "ctc_loss_output_shape"],
+)
+def test_a_check_inside_torch_names_the_torch_function_and_the_fix(fake_mesh, model, step_fn, fix):
+    """Failures inside torch's code get their own fix, not the generic one for the user's branches."""
+    model = model()
+    with pytest.raises(spmd.TraceError) as info:
+        ddp(fake_mesh, step_fn)(model, sgd(model), torch.randn(4, 8))
+    assert fix in str(info.value) and "make sure the step runs eagerly" not in str(info.value), str(info.value)
