@@ -63,6 +63,7 @@ __all__ = [
     "GlobalState",
     "ModuleRead",
     "PythonGuards",
+    "PythonRandomDraws",
     "PythonValue",
     "StateChange",
     "StateWatch",
@@ -731,3 +732,82 @@ class StateWatch:
                 found.append(StateChange(label, what, any(_is_traced(v) for v in added), in_module, library,
                                          lambda obj=obj, old=old: _restore(obj, old)))
         return found
+
+
+# ---------------------------------------------------------------------------------------- Python random draws
+
+_RANDOM_FUNCTIONS = (
+    "random", "uniform", "randint", "randrange", "choice", "choices", "shuffle", "sample", "gauss",
+    "normalvariate", "betavariate", "expovariate", "triangular", "getrandbits",
+)
+_NUMPY_RANDOM_FUNCTIONS = (
+    "random", "rand", "randn", "randint", "random_sample", "uniform", "normal", "choice", "permutation",
+    "shuffle", "binomial", "poisson", "beta", "exponential",
+)
+
+
+class PythonRandomDraws:
+    """Whether a traced step drew from Python's ``random`` module or numpy's global random state, and
+    where. A draw happens once, when the step is traced, and the graph keeps what it chose (a
+    LayerDrop decision, a SpecAugment mask built with ``np.random``), so every call would repeat it.
+
+    The states (``random.getstate()``, ``numpy.random.get_state()``) are compared before and after;
+    while inside, the module-level functions of both (``random.uniform``, ``np.random.choice``, ...)
+    note the innermost calling frame outside them, to say where. :meth:`restore` puts both states
+    back (a refused step draws nothing).
+    """
+
+    def __init__(self) -> None:
+        self.where: list[str] = []
+        self.drew = False
+        self._numpy = sys.modules.get("numpy")
+        self._states: tuple = ()
+        self._patched: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> "PythonRandomDraws":
+        import random
+
+        self._states = (random.getstate(), self._numpy.random.get_state() if self._numpy is not None else None)
+        targets = [(random, n) for n in _RANDOM_FUNCTIONS]
+        if self._numpy is not None:
+            targets += [(self._numpy.random, n) for n in _NUMPY_RANDOM_FUNCTIONS]
+        for module, name in targets:
+            original = getattr(module, name, None)
+            if original is not None:
+                setattr(module, name, self._noting(original, f"{module.__name__}.{name}"))
+                self._patched.append((module, name, original))
+        return self
+
+    def _noting(self, original: Callable, label: str) -> Callable:
+        @functools.wraps(original)
+        def draw(*args: Any, **kwargs: Any) -> Any:
+            if len(self.where) < 3:
+                frame = sys._getframe(1)
+                self.where.append(f"{label}() at {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+            return original(*args, **kwargs)
+
+        return draw
+
+    def __exit__(self, *exc: Any) -> None:
+        import random
+
+        for module, name, original in reversed(self._patched):
+            setattr(module, name, original)
+        self._patched.clear()
+        before_random, before_numpy = self._states
+        self.drew = random.getstate() != before_random or (
+            before_numpy is not None and not _same_numpy_state(before_numpy, self._numpy.random.get_state())
+        )
+
+    def restore(self) -> None:
+        import random
+
+        before_random, before_numpy = self._states
+        random.setstate(before_random)
+        if before_numpy is not None:
+            self._numpy.random.set_state(before_numpy)
+
+
+def _same_numpy_state(a: tuple, b: tuple) -> bool:
+    # ("MT19937", keys array, pos, has_gauss, cached_gaussian)
+    return a[0] == b[0] and bool((a[1] == b[1]).all()) and a[2:] == b[2:]

@@ -52,6 +52,7 @@ from .boundaries import mark_boundaries
 from .python_values import (
     GlobalState,
     PythonGuards,
+    PythonRandomDraws,
     StateChange,
     StateWatch,
     code_reads,
@@ -754,6 +755,7 @@ def trace_step(
     user_functions = [fn, *forward_functions(model)]
     settings_objects = settings_variables(user_functions)
     state = StateWatch(user_functions, model)
+    draws = PythonRandomDraws()
     try:
         with torch.compiler._compile_session_context(), torch.enable_grad():
             # _compile_session_context: optimizers take their traceable paths (`step` stays a tensor,
@@ -761,8 +763,9 @@ def trace_step(
             # _non_strict_tracing_context: selective activation checkpointing takes its eager path
             # (saves what its policy saves, recomputes the rest inside backward, where make_fx
             # records it) instead of only tagging nodes for AOTAutograd's partitioner.
-            with fx_traceback.preserve_node_meta(), MarkLossParallel(), torch.compiler._non_strict_tracing_context():
+            with fx_traceback.preserve_node_meta(), MarkLossParallel(), torch.compiler._non_strict_tracing_context(), draws:
                 autograd_graph = make_fx(step, tracing_mode="symbolic", record_stack_traces=True)(*fakes, *sym_values)
+            _refuse_python_random(draws)
             _refuse_recomputed_draws(autograd_graph)
             _refuse_writes_to_parameter_reads(autograd_graph)
             detached = [t.detach() for t in fakes]
@@ -780,9 +783,11 @@ def trace_step(
         _settle_state_changes(state.changes())
     except TraceError:
         _undo(state)
+        draws.restore()
         raise
     except Exception as e:  # noqa: BLE001 - every tracing failure becomes one clear error
         _undo(state)
+        draws.restore()
         kind = type(e).__name__
         data_dependent = "DataDependent" in kind or "data-dependent" in str(e).lower()
         if _NON_FAKE_INPUT in str(e):
@@ -828,6 +833,28 @@ def trace_step(
         hyperparameters,
         _hyperparameter_guards(shape_env, symbols, hyperparameters),
         PythonGuards(code_reads(user_functions) + recorded[-1].values, global_state, recorded[-1].module_reads),
+    )
+
+
+def _refuse_python_random(draws: PythonRandomDraws) -> None:
+    """Refuse a step that drew from Python's ``random`` or numpy's global random state while traced:
+    the draw is made once and its outcome baked into the graph (HuggingFace wav2vec2's SpecAugment
+    masks come from ``np.random``; LayerDrop in some models from ``random.uniform``), so every call
+    would repeat it, where one device draws anew each step.
+
+    Raises:
+        TraceError: naming where the draws were made and the fix.
+    """
+    if not draws.drew:
+        return
+    where = "; ".join(draws.where) if draws.where else "a function of random or numpy.random called by another name"
+    raise TraceError(
+        f"the step draws random numbers with Python's random module or numpy.random ({where}). Those run "
+        f"when the step is traced, once, and the graph keeps what they chose (which layers to drop, which "
+        f"positions to mask), so every call would repeat the same draw\n"
+        f"  fix: draw with torch (torch.rand, torch.bernoulli, torch.randperm: the compiled step draws them on "
+        f"every call, as one device does), or turn that randomness off (HuggingFace audio models: "
+        f"config.mask_time_prob=0.0, mask_feature_prob=0.0, layerdrop=0.0)"
     )
 
 

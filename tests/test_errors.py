@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import inspect
 import os
+import random
 import re
 
 import pytest
 import torch
 import torch.nn as nn
+import transformers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -418,3 +420,38 @@ def test_a_check_inside_torch_names_the_torch_function_and_the_fix(fake_mesh, mo
     with pytest.raises(spmd.TraceError) as info:
         ddp(fake_mesh, step_fn)(model, sgd(model), torch.randn(4, 8))
     assert fix in str(info.value) and "make sure the step runs eagerly" not in str(info.value), str(info.value)
+
+
+def _python_random_step(model, optimizer, x):
+    flip = random.random() < 0.5  # drawn once, when traced
+    loss = _loss(model, x.flip(-1) if flip else x)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def test_a_python_random_draw_is_refused_and_the_random_state_kept(fake_mesh):
+    """``random.random()`` in the step would choose once for every call; the refused call draws nothing."""
+    model = _mlp()
+    random.seed(7)
+    state = random.getstate()
+    with pytest.raises(spmd.TraceError, match=r"random\.random\(\) at .*test_errors\.py:\d+ in _python_random_step") as info:
+        ddp(fake_mesh, _python_random_step)(model, sgd(model), torch.randn(4, 8))
+    assert "torch.rand" in str(info.value)
+    assert random.getstate() == state
+
+
+def test_huggingface_specaugment_masks_drawn_with_numpy_are_refused(fake_mesh):
+    """wav2vec2 masks time steps with ``np.random`` in training (mask_time_prob > 0): those masks would
+    be the same at every step."""
+    import hf_zoo
+
+    config = hf_zoo._wav2vec2("eager")
+    config.mask_time_prob, config.mask_time_length = 0.5, 2
+    torch.manual_seed(0)
+    model = transformers.Wav2Vec2ForSequenceClassification(config)
+    x, y = hf_zoo.audio_batch(torch.Generator().manual_seed(0))
+    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(hf_zoo.audio_step)
+    with pytest.raises(spmd.TraceError, match=r"numpy\.random\.\w+\(\) at .*modeling_wav2vec2\.py:\d+ in _compute_mask_indices") as info:
+        step(model, sgd(model), x[:2], y[:2])
+    assert "mask_time_prob=0.0" in str(info.value)
