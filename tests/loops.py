@@ -105,6 +105,96 @@ def clip_value_step(model, optimizer, x, y):
     return loss
 
 
+def contrastive_step(model, optimizer, x, y):
+    """CLIP/SimCLR's symmetric InfoNCE loss: every row is scored against every other row of the batch."""
+    z = F.normalize(model(x), dim=-1)
+    w = F.normalize(model(x.flip(-1)), dim=-1)
+    logits = z @ w.T / 0.1
+    labels = torch.arange(x.shape[0])
+    loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def mixup_step(model, optimizer, x, y):
+    """mixup inside the step: each row is mixed with a row a random permutation of the batch picks."""
+    perm = torch.randperm(x.shape[0])
+    out = model(0.7 * x + 0.3 * x[perm])
+    loss = 0.7 * F.cross_entropy(out, y) + 0.3 * F.cross_entropy(out, y[perm])
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def manual_sgd_step(model, optimizer, x, y):
+    """The tutorial update, without an optimizer: ``p -= lr * p.grad`` under no_grad."""
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.1 * p.grad
+            p.grad = None
+    return loss
+
+
+def data_update_step(model, optimizer, x, y):
+    """The old idiom: ``p.data.add_(p.grad.data, alpha=-lr)``."""
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    for p in model.parameters():
+        p.data.add_(p.grad.data, alpha=-0.1)
+        p.grad.zero_()
+    return loss
+
+
+def two_backward_step(model, optimizer, x, y):
+    """Two losses, two backward calls (``retain_graph``): their gradients add up."""
+    out = model(x)
+    main, aux = F.cross_entropy(out, y), out.square().mean()
+    main.backward(retain_graph=True)
+    aux.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return main + aux
+
+
+def gradient_penalty_step(model, optimizer, x, y):
+    """A gradient penalty on the input (WGAN-GP style): ``autograd.grad(create_graph=True)``, then
+    backward through it."""
+    x = x.clone().requires_grad_(True)
+    out = model(x)
+    (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    loss = F.cross_entropy(out, y) + 0.1 * g.square().sum(-1).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def closure_step(model, optimizer, x, y):
+    """``optimizer.step(closure)``: forward and backward run inside the optimizer's step."""
+
+    def closure():
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    return optimizer.step(closure)
+
+
+def explicit_gradient_step(model, optimizer, x, y):
+    """``out.backward(gradient=...)`` of a non-scalar output."""
+    out = model(x)
+    out.backward(gradient=torch.full_like(out, 0.1))
+    optimizer.step()
+    optimizer.zero_grad()
+    return out.sum()
+
+
 def _batch(i: int, rows: int = BATCH):
     g = torch.Generator().manual_seed(1000 + i)
     return torch.randn(rows, 16, generator=g), torch.randint(0, 4, (rows,), generator=g)
@@ -137,7 +227,9 @@ def run_loop(
         x, y = _batch(i)
         resolved = resolve_plan(plan, mesh, compiled_pair["model"])
         local = [local_slice(t, mesh, resolved.batch_placements(t)) for t in (x, y)]
+        torch.manual_seed(100 + i)  # steps that draw (a mixup permutation) draw the same on both sides
         outs.append(compiled(compiled_pair["model"], compiled_pair["optimizer"], *local))
+        torch.manual_seed(100 + i)
         ref_outs.append(step(ref_pair["model"], ref_pair["optimizer"], x, y))
 
     def states(pair):
@@ -364,6 +456,17 @@ SCENARIOS: dict[str, dict] = {
     "gradient_hooks": dict(optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1), between=gradient_hooks),
     "forward_hook_added": dict(between=forward_hook_added),
     "post_accumulate_grad_hook": dict(optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1), between=post_accumulate_grad_hook),
+    # Steps written in other common ways: whole-batch losses, random batch mixing, updates without an
+    # optimizer, several backward calls, double backward, closures, explicit output gradients.
+    "contrastive_clip": dict(step=contrastive_step),
+    "mixup_randperm": dict(step=mixup_step),
+    # (The optimizer handed to these is never stepped: plain SGD, which keeps no state.)
+    "manual_sgd_no_optimizer": dict(step=manual_sgd_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1)),
+    "data_attribute_update": dict(step=data_update_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1)),
+    "two_backward_retain_graph": dict(step=two_backward_step),
+    "gradient_penalty_double_backward": dict(step=gradient_penalty_step),
+    "optimizer_step_closure": dict(step=closure_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
+    "explicit_backward_gradient": dict(step=explicit_gradient_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1)),
     # A buffer assigned in forward is written back like one updated in place.
     "buffer_assigned": dict(model_fn=RunningMean),
     "adam_single_tensor_deep": dict(model_fn=_deep_mlp, optimizer_fn=lambda ps: torch.optim.Adam(ps, lr=1e-2), steps=5),
