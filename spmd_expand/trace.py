@@ -763,7 +763,11 @@ def trace_step(
             # _non_strict_tracing_context: selective activation checkpointing takes its eager path
             # (saves what its policy saves, recomputes the rest inside backward, where make_fx
             # records it) instead of only tagging nodes for AOTAutograd's partitioner.
-            with fx_traceback.preserve_node_meta(), MarkLossParallel(), torch.compiler._non_strict_tracing_context(), draws:
+            # mkldnn off: an LSTM on CPU is recorded as its decomposition into matmuls and pointwise ops
+            # (torch._decomp's one_layer_lstm, which DTensor places), not as one oneDNN kernel
+            # (mkldnn_rnn_layer), which it cannot. Kernels are chosen again when the graph runs.
+            with fx_traceback.preserve_node_meta(), MarkLossParallel(), torch.compiler._non_strict_tracing_context(), draws, \
+                    torch.backends.mkldnn.flags(enabled=False):
                 autograd_graph = make_fx(step, tracing_mode="symbolic", record_stack_traces=True)(*fakes, *sym_values)
             _refuse_python_random(draws)
             _refuse_recomputed_draws(autograd_graph)

@@ -2,8 +2,8 @@
 
 Convolutions (1-D/2-D/3-D, transposed, padding modes), Group/Instance/Batch/Layer/RMS norm, pooling
 (max, average, adaptive), upsampling, PixelShuffle, MultiheadAttention, TransformerEncoder,
-Transformer, GRU, embeddings, activations. Layers with no DTensor rule (EmbeddingBag, LSTM on CPU's
-mkldnn kernel, Bilinear) must be refused with UnsupportedOpError, never run wrong.
+Transformer, GRU, LSTM, embeddings, activations. Layers with no DTensor rule (EmbeddingBag, Bilinear)
+must be refused with UnsupportedOpError, never run wrong.
 """
 
 from __future__ import annotations
@@ -147,11 +147,12 @@ MODELS = {
     "transformer_encoder": (_Encoder, _sequences),
     "transformer": (_Transformer, _sequences),
     "gru": (lambda: _Recurrent(nn.GRU), lambda g: torch.randn(B, 5, 3, generator=g)),
+    # Two layers, traced as torch's LSTM decomposition (its CPU oneDNN kernel has no rule).
+    "lstm": (lambda: _Recurrent(lambda i, h, batch_first: nn.LSTM(i, h, num_layers=2, batch_first=batch_first)), lambda g: torch.randn(B, 5, 3, generator=g)),
     "weight_norm_spectral_norm": (_WeightNormConv, lambda g: torch.randn(B, 3, 16, generator=g)),
 }
 REFUSED = {
     "embedding_bag": ((_EmbeddingBag, lambda g: torch.randint(0, 20, (B, 6), generator=g)), "_embedding_bag"),
-    "lstm": ((lambda: _Recurrent(nn.LSTM), lambda g: torch.randn(B, 5, 3, generator=g)), "mkldnn_rnn_layer"),
     "bilinear": ((lambda: nn.Bilinear(6, 6, CLASSES), None), "_trilinear"),
 }
 
