@@ -50,11 +50,18 @@ def _find(leaves: Sequence[Any], kind: type, what: str, at_most_one: bool) -> Op
 
 
 def _rebind_parameters(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], new: dict[int, nn.Parameter]) -> None:
-    """Replace parameters everywhere they are referenced: owning modules (tied ones too) and optimizer."""
+    """Replace parameters everywhere they are referenced: owning modules (tied ones too), the flat
+    weight lists of RNN modules, and optimizer."""
     for module in model.modules():
+        replaced = False
         for name, p in list(module._parameters.items()):
             if p is not None and id(p) in new:
                 module._parameters[name] = new[id(p)]
+                replaced = True
+        if replaced and isinstance(module, nn.RNNBase):
+            # nn.LSTM / GRU / RNN read their weights from _flat_weights, which nn.Module.__setattr__
+            # refreshes; a write into _parameters does not.
+            module._init_flat_weights()
     if optimizer is not None:
         for group in optimizer.param_groups:
             for i, p in enumerate(group["params"]):

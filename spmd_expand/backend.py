@@ -331,10 +331,10 @@ def spmd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Opt
     model, info = _owner(example_inputs, options)
     broadcast_materialized_state(model, info.mesh, "torch.compile(backend=\"spmd\")")
     for name in ("mesh", "plan"):
-        if name in options and options[name] is not getattr(info, name):
+        if name in options and not _same_setting(options[name], getattr(info, name)):
             raise SpmdError(
                 f"torch.compile(backend=\"spmd\"): option {name!r} is not the {name} the model was parallelized "
-                f"with (spmd.parallelize(model, mesh, plan)); pass the same object or leave the option out"
+                f"with (spmd.parallelize(model, mesh, plan)); pass an equal one or leave the option out"
             )
     global_passes, local_passes = resolve_passes(options.get("passes", "default"))
     # Our stages make their own fake modes; Dynamo's tracing context (and its fake mode) stays outside.
@@ -345,22 +345,32 @@ def spmd_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Opt
     return compiled
 
 
+def _same_setting(a: Any, b: Any) -> bool:
+    """The same mesh or plan: the same object, or an equal one (``spmd.DDP() == spmd.DDP()``)."""
+    return a is b or a == b
+
+
 def _owner(example_inputs: Sequence[Any], options: dict) -> tuple[nn.Module, _Parallelized]:
     """The parallelized model whose parameters the graph reads.
 
     A graph without parameters (e.g. the part of a forward before a graph break, or a module hook
     Dynamo compiles apart from the ``forward``) belongs to the model parallelized with ``options``' mesh and
-    plan, or to the only parallelized model of the process.
+    plan objects (else with equal ones), or to the only parallelized model of the process.
     """
     ids = {id(t) for t in example_inputs if isinstance(t, nn.Parameter)}
     models = list(_PARALLELIZED.items())
     if ids:
         owners = [(m, info) for m, info in models if ids & {id(p) for p in m.parameters()}]
     else:
+        # The model parallelized with these very objects, else with equal ones.
         owners = [
             (m, info)
             for m, info in models
             if options.get("mesh", info.mesh) is info.mesh and options.get("plan", info.plan) is info.plan
+        ] or [
+            (m, info)
+            for m, info in models
+            if _same_setting(options.get("mesh", info.mesh), info.mesh) and _same_setting(options.get("plan", info.plan), info.plan)
         ]
     if len(owners) != 1:
         what = "reads parameters of" if ids else "reads no parameters and matches"

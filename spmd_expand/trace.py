@@ -767,7 +767,7 @@ def trace_step(
             # (torch._decomp's one_layer_lstm, which DTensor places), not as one oneDNN kernel
             # (mkldnn_rnn_layer), which it cannot. Kernels are chosen again when the graph runs.
             with fx_traceback.preserve_node_meta(), MarkLossParallel(), torch.compiler._non_strict_tracing_context(), draws, \
-                    torch.backends.mkldnn.flags(enabled=False):
+                    _onednn_off():
                 autograd_graph = make_fx(step, tracing_mode="symbolic", record_stack_traces=True)(*fakes, *sym_values)
             _refuse_python_random(draws)
             _refuse_recomputed_draws(autograd_graph)
@@ -838,6 +838,18 @@ def trace_step(
         _hyperparameter_guards(shape_env, symbols, hyperparameters),
         PythonGuards(code_reads(user_functions) + recorded[-1].values, global_state, recorded[-1].module_reads),
     )
+
+
+@contextlib.contextmanager
+def _onednn_off() -> Iterator[None]:
+    """oneDNN (mkldnn) kernels off, and back as they were (``torch.backends.mkldnn.flags`` would also
+    set the TF32 flag, which warns on every CPU build)."""
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
 
 
 def _refuse_python_random(draws: PythonRandomDraws) -> None:

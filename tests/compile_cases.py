@@ -32,6 +32,7 @@ class Loop:
     loss: Callable[..., torch.Tensor]  # loss(model_callable, *batch) -> scalar
     tp: dict | Callable[[nn.Module], dict] | None = None  # a TP plan, or how to read one from the model
     setup: Callable[[nn.Module], None] | None = None  # run on the model and on its reference copy
+    allow_rnn: bool = False  # torch._dynamo.config.allow_rnn: capture nn.LSTM / nn.GRU in the graph
 
 
 def _halve(grad):
@@ -70,6 +71,21 @@ class BreakMLP(nn.Module):
         torch._dynamo.graph_break()
         h = h * torch.sigmoid(self.fc2(h))
         return self.fc3(h)
+
+
+class Recurrent(nn.Module):
+    """Embedding, LSTM, classifier: torch's word-language-model shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.rnn, self.out = nn.Embedding(20, 6), nn.LSTM(6, 8, batch_first=True), nn.Linear(8, 5)
+
+    def forward(self, ids):
+        return self.out(self.rnn(self.emb(ids))[0][:, -1])
+
+
+def _ids_y(g):
+    return torch.randint(0, 20, (8, 5), generator=g), torch.randint(0, 5, (8,), generator=g)
 
 
 def _xy(g):
@@ -131,6 +147,7 @@ LOOPS = {
     "graph_break_accumulate": Loop(lambda: torch.manual_seed(0) and BreakMLP(), _xy, _two_shapes_accumulated),
     "llama": Loop(_llama, _llama_tokens, _llama_loss, lambda m: spmd.TensorParallel.from_huggingface(m).plan),
     "t5": Loop(_t5, _t5_batch, _t5_loss),
+    "lstm": Loop(lambda: torch.manual_seed(0) and Recurrent(), _ids_y, _ce, allow_rnn=True),
     "gradient_hook": Loop(lambda: torch.manual_seed(0) and BreakMLP(), _xy, _ce, setup=_gradient_hooks),
 }
 
@@ -144,6 +161,7 @@ def run_loop(name: str, plan_name: str, mesh, steps: int, lower: str = "eager") 
     # Each run is a new model of a class an earlier run compiled: start from an empty Dynamo cache so
     # runs do not add up to Dynamo's recompile limit for the class's forward.
     torch._dynamo.reset()
+    torch._dynamo.config.allow_rnn = loop.allow_rnn
     torch.manual_seed(0)
     model = loop.model()
     reference = copy.deepcopy(model)

@@ -29,6 +29,7 @@ RUNS_W2 = [
     ("gpt", "tp", "eager"),
     ("gpt_loss_inside", "fsdp", "eager"),
     ("graph_break", "fsdp", "eager"),
+    ("lstm", "ddp", "eager"),
     ("graph_break_accumulate", "ddp", "eager"),
     ("llama", "ddp", "eager"),
     ("llama", "fsdp", "eager"),
@@ -137,7 +138,7 @@ def test_unknown_option_is_named(fake_mesh):
 def test_mesh_mismatch_is_named(fake_mesh):
     plan = spmd.DDP()
     model = spmd.parallelize(_mlp(), fake_mesh, plan)
-    other = init_device_mesh("cpu", (4,))
+    other = init_device_mesh("cpu", (2, 2))
     compiled = torch.compile(model, backend="spmd", options={"mesh": other, "plan": plan})
     assert "'mesh'" in str(_backend_error(compiled, torch.randn(2, 8)))
 
