@@ -63,7 +63,7 @@ __all__ = [
     "GlobalState",
     "ModuleRead",
     "PythonGuards",
-    "PythonRandomDraws",
+    "RandomStateUse",
     "PythonValue",
     "StateChange",
     "StateWatch",
@@ -734,7 +734,7 @@ class StateWatch:
         return found
 
 
-# ---------------------------------------------------------------------------------------- Python random draws
+# ---------------------------------------------------------------------------------------- random state
 
 _RANDOM_FUNCTIONS = (
     "random", "uniform", "randint", "randrange", "choice", "choices", "shuffle", "sample", "gauss",
@@ -744,49 +744,60 @@ _NUMPY_RANDOM_FUNCTIONS = (
     "random", "rand", "randn", "randint", "random_sample", "uniform", "normal", "choice", "permutation",
     "shuffle", "binomial", "poisson", "beta", "exponential",
 )
+_TORCH_SEEDING_FUNCTIONS = ("manual_seed", "seed", "set_rng_state")
 
 
-class PythonRandomDraws:
-    """Whether a traced step drew from Python's ``random`` module or numpy's global random state, and
-    where. A draw happens once, when the step is traced, and the graph keeps what it chose (a
-    LayerDrop decision, a SpecAugment mask built with ``np.random``), so every call would repeat it.
+class RandomStateUse:
+    """What a traced step did with random state that only its Python sees: draws from Python's
+    ``random`` module or numpy's global random state (:attr:`drew`), and calls that seed or set
+    torch's generator (:attr:`seeded`: ``torch.manual_seed(s)`` in the step). Either happens once,
+    when the step is traced: a draw's outcome (a LayerDrop decision, a SpecAugment mask built with
+    ``np.random``) is kept by the graph and repeated by every call, and a seeding is not repeated, so
+    later calls draw from another point of torch's stream than one device does.
 
-    The states (``random.getstate()``, ``numpy.random.get_state()``) are compared before and after;
-    while inside, the module-level functions of both (``random.uniform``, ``np.random.choice``, ...)
-    note the innermost calling frame outside them, to say where. :meth:`restore` puts both states
-    back (a refused step draws nothing).
+    The Python and numpy states are compared before and after; while inside, the module-level
+    functions of ``random``, ``numpy.random`` and torch's seeding functions note the innermost calling
+    frame outside them, to say where (:attr:`where`). :meth:`restore` puts all three states back (a
+    refused step draws and seeds nothing).
     """
 
     def __init__(self) -> None:
         self.where: list[str] = []
+        self.seeded: list[str] = []
         self.drew = False
         self._numpy = sys.modules.get("numpy")
         self._states: tuple = ()
         self._patched: list[tuple[Any, str, Any]] = []
 
-    def __enter__(self) -> "PythonRandomDraws":
+    def __enter__(self) -> "RandomStateUse":
         import random
 
-        self._states = (random.getstate(), self._numpy.random.get_state() if self._numpy is not None else None)
-        targets = [(random, n) for n in _RANDOM_FUNCTIONS]
+        self._states = (
+            random.getstate(),
+            self._numpy.random.get_state() if self._numpy is not None else None,
+            torch.random.get_rng_state(),
+        )
+        targets = [(random, n, self.where) for n in _RANDOM_FUNCTIONS]
         if self._numpy is not None:
-            targets += [(self._numpy.random, n) for n in _NUMPY_RANDOM_FUNCTIONS]
-        for module, name in targets:
+            targets += [(self._numpy.random, n, self.where) for n in _NUMPY_RANDOM_FUNCTIONS]
+        targets += [(m, n, self.seeded) for m in (torch, torch.random) for n in _TORCH_SEEDING_FUNCTIONS]
+        for module, name, notes in targets:
             original = getattr(module, name, None)
             if original is not None:
-                setattr(module, name, self._noting(original, f"{module.__name__}.{name}"))
+                setattr(module, name, self._noting(original, f"{module.__name__}.{name}", notes))
                 self._patched.append((module, name, original))
         return self
 
-    def _noting(self, original: Callable, label: str) -> Callable:
+    @staticmethod
+    def _noting(original: Callable, label: str, notes: list) -> Callable:
         @functools.wraps(original)
-        def draw(*args: Any, **kwargs: Any) -> Any:
-            if len(self.where) < 3:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if len(notes) < 3:
                 frame = sys._getframe(1)
-                self.where.append(f"{label}() at {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+                notes.append(f"{label}() at {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
             return original(*args, **kwargs)
 
-        return draw
+        return call
 
     def __exit__(self, *exc: Any) -> None:
         import random
@@ -794,7 +805,7 @@ class PythonRandomDraws:
         for module, name, original in reversed(self._patched):
             setattr(module, name, original)
         self._patched.clear()
-        before_random, before_numpy = self._states
+        before_random, before_numpy, _ = self._states
         self.drew = random.getstate() != before_random or (
             before_numpy is not None and not _same_numpy_state(before_numpy, self._numpy.random.get_state())
         )
@@ -802,10 +813,11 @@ class PythonRandomDraws:
     def restore(self) -> None:
         import random
 
-        before_random, before_numpy = self._states
+        before_random, before_numpy, before_torch = self._states
         random.setstate(before_random)
         if before_numpy is not None:
             self._numpy.random.set_state(before_numpy)
+        torch.random.set_rng_state(before_torch)
 
 
 def _same_numpy_state(a: tuple, b: tuple) -> bool:

@@ -52,7 +52,7 @@ from .boundaries import mark_boundaries
 from .python_values import (
     GlobalState,
     PythonGuards,
-    PythonRandomDraws,
+    RandomStateUse,
     StateChange,
     StateWatch,
     code_reads,
@@ -755,7 +755,7 @@ def trace_step(
     user_functions = [fn, *forward_functions(model)]
     settings_objects = settings_variables(user_functions)
     state = StateWatch(user_functions, model)
-    draws = PythonRandomDraws()
+    randomness = RandomStateUse()
     try:
         with torch.compiler._compile_session_context(), torch.enable_grad():
             # _compile_session_context: optimizers take their traceable paths (`step` stays a tensor,
@@ -766,10 +766,10 @@ def trace_step(
             # mkldnn off: an LSTM on CPU is recorded as its decomposition into matmuls and pointwise ops
             # (torch._decomp's one_layer_lstm, which DTensor places), not as one oneDNN kernel
             # (mkldnn_rnn_layer), which it cannot. Kernels are chosen again when the graph runs.
-            with fx_traceback.preserve_node_meta(), MarkLossParallel(), torch.compiler._non_strict_tracing_context(), draws, \
+            with fx_traceback.preserve_node_meta(), MarkLossParallel(), torch.compiler._non_strict_tracing_context(), randomness, \
                     _onednn_off():
                 autograd_graph = make_fx(step, tracing_mode="symbolic", record_stack_traces=True)(*fakes, *sym_values)
-            _refuse_python_random(draws)
+            _refuse_untraced_randomness(randomness)
             _refuse_recomputed_draws(autograd_graph)
             _refuse_writes_to_parameter_reads(autograd_graph)
             detached = [t.detach() for t in fakes]
@@ -787,11 +787,11 @@ def trace_step(
         _settle_state_changes(state.changes())
     except TraceError:
         _undo(state)
-        draws.restore()
+        randomness.restore()
         raise
     except Exception as e:  # noqa: BLE001 - every tracing failure becomes one clear error
         _undo(state)
-        draws.restore()
+        randomness.restore()
         kind = type(e).__name__
         data_dependent = "DataDependent" in kind or "data-dependent" in str(e).lower()
         if _NON_FAKE_INPUT in str(e):
@@ -852,18 +852,27 @@ def _onednn_off() -> Iterator[None]:
         torch._C._set_mkldnn_enabled(enabled)
 
 
-def _refuse_python_random(draws: PythonRandomDraws) -> None:
-    """Refuse a step that drew from Python's ``random`` or numpy's global random state while traced:
-    the draw is made once and its outcome baked into the graph (HuggingFace wav2vec2's SpecAugment
-    masks come from ``np.random``; LayerDrop in some models from ``random.uniform``), so every call
-    would repeat it, where one device draws anew each step.
+def _refuse_untraced_randomness(randomness: RandomStateUse) -> None:
+    """Refuse a step that, while traced, drew from Python's ``random`` or numpy's global random state,
+    or seeded torch's generator (:class:`~spmd_expand.python_values.RandomStateUse`): either would
+    happen once, where one device does it on every step. A draw's outcome is baked into the graph
+    (HuggingFace wav2vec2's SpecAugment masks come from ``np.random``; LayerDrop in some models from
+    ``random.uniform``); a seeding is not repeated, so from the second call on the step's torch draws
+    (dropout masks) differ from one device's.
 
     Raises:
-        TraceError: naming where the draws were made and the fix.
+        TraceError: naming where and the fix.
     """
-    if not draws.drew:
+    if randomness.seeded:
+        raise TraceError(
+            f"the step seeds torch's random number generator ({'; '.join(randomness.seeded)}). The seeding "
+            f"runs when the step is traced, once: every later call draws (dropout masks, torch.rand) from "
+            f"wherever the generator is then, where one device would start again from the seed\n"
+            f"  fix: seed before calling the compiled step (`torch.manual_seed(s); step(...)`), on every rank alike"
+        )
+    if not randomness.drew:
         return
-    where = "; ".join(draws.where) if draws.where else "a function of random or numpy.random called by another name"
+    where = "; ".join(randomness.where) if randomness.where else "a function of random or numpy.random called by another name"
     raise TraceError(
         f"the step draws random numbers with Python's random module or numpy.random ({where}). Those run "
         f"when the step is traced, once, and the graph keeps what they chose (which layers to drop, which "

@@ -455,3 +455,22 @@ def test_huggingface_specaugment_masks_drawn_with_numpy_are_refused(fake_mesh):
     with pytest.raises(spmd.TraceError, match=r"numpy\.random\.\w+\(\) at .*modeling_wav2vec2\.py:\d+ in _compute_mask_indices") as info:
         step(model, sgd(model), x[:2], y[:2])
     assert "mask_time_prob=0.0" in str(info.value)
+
+
+def _seeding_step(model, optimizer, x):
+    torch.manual_seed(1234)  # runs once, when traced
+    loss = _loss(model, nn.functional.dropout(x, 0.5))
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def test_seeding_torch_inside_the_step_is_refused_and_the_generator_kept(fake_mesh):
+    """Eager reseeds every step; a compiled step would seed once (measured on 2 gloo ranks: step 1
+    matched one device, steps 2 and 3 did not, with no error)."""
+    model = _mlp()
+    torch.manual_seed(5)
+    with pytest.raises(spmd.TraceError, match=r"torch\.(random\.)?manual_seed\(\) at .*test_errors\.py:\d+ in _seeding_step") as info:
+        ddp(fake_mesh, _seeding_step)(model, sgd(model), torch.randn(4, 8))
+    assert "seed before calling the compiled step" in str(info.value)
+    assert torch.initial_seed() == 5  # the generator is as before the trace, not seeded with 1234
