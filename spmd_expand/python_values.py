@@ -31,8 +31,8 @@ torch's global state (autocast, default dtype, ...) is compared too, with torch'
 outside it.
 
 Not recorded: values read through ``__dict__``, and attributes of objects reached in other ways
-(an element of a list of configs, an object of torch's). Tensors are never baked: a tensor the step reads must be an input
-(:func:`spmd_expand.trace.trace_step` refuses the rest).
+(an element of a list of configs, an object of torch's). Tensors are never baked: a tensor the step
+reads must be an input (:func:`spmd_expand.trace.trace_step` refuses the rest).
 
 Python state the step *writes* is the other half (:class:`StateWatch`): the step's Python runs when
 it is traced, not on every call, so ``LOSSES.append(loss)`` or ``STATS["n"] += 1`` would happen once,
@@ -63,12 +63,12 @@ __all__ = [
     "GlobalState",
     "ModuleRead",
     "PythonGuards",
-    "RandomStateUse",
     "PythonValue",
+    "RandomStateUse",
+    "RecordedReads",
     "StateChange",
     "StateWatch",
     "code_reads",
-    "RecordedReads",
     "code_writes",
     "forward_functions",
     "is_settings_object",
@@ -273,7 +273,8 @@ def _scalar_attributes(obj: Any) -> dict[str, Any]:
     """Every scalar attribute an object holds (its ``__dict__`` and slots), copied."""
     found = {k: v for k, v in getattr(obj, "__dict__", {}).items() if is_scalar(v)}
     for cls in type(obj).__mro__:
-        for name in getattr(cls, "__slots__", ()) if not isinstance(getattr(cls, "__slots__", ()), str) else (cls.__slots__,):
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
             value = getattr(obj, name, _MISSING)
             if value is not _MISSING and is_scalar(value):
                 found[name] = value
@@ -471,7 +472,7 @@ def code_reads(functions: list[Callable], depth: int = 4) -> list[PythonValue]:
             if key in seen or not is_scalar(value):
                 continue
             seen.add(key)
-            label = f"global {name} of {fn.__module__}" if kind == "global" else f"closure variable {name} of {fn.__qualname__}"
+            label = _variable_label(kind, name, fn)
             result.append(PythonValue(label, read, _frozen(value)))
     return result
 
@@ -509,7 +510,7 @@ def settings_variables(functions: list[Callable], depth: int = 4) -> list[tuple[
             if key in seen or not is_settings_object(value):
                 continue
             seen.add(key)
-            label = f"global {name} of {fn.__module__}" if kind == "global" else f"closure variable {name} of {fn.__qualname__}"
+            label = _variable_label(kind, name, fn)
             result.append((label, value, read))
     return result
 
@@ -523,6 +524,11 @@ def code_writes(functions: list[Callable], depth: int = 4) -> list[str]:
         for fn in _user_functions(functions, depth)
         for kind, name, where in _stores(fn)
     ]
+
+
+def _variable_label(kind: str, name: str, fn: types.FunctionType) -> str:
+    """How a warning or an error names a global (``kind == "global"``) or closure variable of ``fn``."""
+    return f"global {name} of {fn.__module__}" if kind == "global" else f"closure variable {name} of {fn.__qualname__}"
 
 
 def _global_reader(scope: dict, name: str) -> Callable[[], Any]:
@@ -697,14 +703,14 @@ class StateWatch:
         assigned: set = set()
         for fn in _user_functions(functions, depth):
             for kind, name, _, value, _ in _loaded_values(fn):
-                label = f"global {name} of {fn.__module__}" if kind == "global" else f"closure variable {name} of {fn.__qualname__}"
+                label = _variable_label(kind, name, fn)
                 self._watch(value, label, False, False, seen, 1)
             cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
             for kind, name, _ in _stores(fn):
                 if (kind, name) not in assigned and (kind == "global" or name in cells):
                     assigned.add((kind, name))
                     slot = _Variable(fn.__globals__, None, name) if kind == "global" else _Variable(None, cells[name], name)
-                    label = f"global {name} of {fn.__module__}" if kind == "global" else f"closure variable {name} of {fn.__qualname__}"
+                    label = _variable_label(kind, name, fn)
                     self._watched.append((label, False, False, slot, slot.items()))
         if model is not None:
             for fqn, module in model.named_modules():

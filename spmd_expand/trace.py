@@ -633,7 +633,11 @@ def trace_step(
         mutated inputs are ``aten.copy_`` nodes into their placeholders.
 
     Raises:
-        TraceError: the step has data-dependent control flow, returns non-tensors, or fails to trace.
+        TraceError: the step has data-dependent control flow, returns non-tensors, keeps a tensor it
+            computed in Python state that outlives it (:func:`_settle_state_changes`), assigns a
+            parameter (:func:`_write_back_assignments`), draws from Python's ``random`` or
+            ``numpy.random`` or seeds torch (:func:`_refuse_untraced_randomness`), or fails to trace.
+            Python state the failed trace changed is put back first.
     """
     # make_fx keeps the stack traces of frames inside nn.Module.forward only; the step's own lines
     # (the loss, the optimizer call) are kept when its function is registered as an anchor.
