@@ -23,16 +23,21 @@ recompiles                               another model, optimizer or submodule o
                                          ``weight_decay`` from 0 to non-zero, or any value a
                                          fused kernel took as a constant); a Python value
                                          the trace read: a module attribute ``forward``
-                                         reads, a global or closure variable of the step
+                                         reads, a global or closure variable of the step,
+                                         an attribute of a settings object (a HuggingFace
+                                         ``config``, ``args``, the step's ``self``) it read
                                          (``python_values.PythonGuards``); torch's global
                                          state (``torch.autocast``, default dtype, ...); a
                                          hook added or removed (module, parameter, optimizer,
                                          global)
 refused (``TraceError``)                 a tensor the step was not handed (a global tensor,
-                                         another module's)
+                                         another module's); Python state the step changes
+                                         and Python/numpy randomness or torch seeding in the
+                                         step (``trace.trace_step``, at trace time)
 refused (``BatchError``)                 local batches of different shapes on different ranks
                                          (uneven or empty), a batch tensor without the plan's
-                                         batch dim, batch tensors of different sizes along it
+                                         batch dim, batch tensors of different sizes along it,
+                                         non-tensor arguments that differ between ranks
 =======================================  ==================================================
 """
 
