@@ -783,23 +783,25 @@ class RandomStateUse:
             self._numpy.random.get_state() if self._numpy is not None else None,
             torch.random.get_rng_state(),
         )
-        targets = [(random, n, self.where) for n in _RANDOM_FUNCTIONS]
+        targets = [(random, n, self.where, False) for n in _RANDOM_FUNCTIONS]
         if self._numpy is not None:
-            targets += [(self._numpy.random, n, self.where) for n in _NUMPY_RANDOM_FUNCTIONS]
-        targets += [(m, n, self.seeded) for m in (torch, torch.random) for n in _TORCH_SEEDING_FUNCTIONS]
-        for module, name, notes in targets:
+            targets += [(self._numpy.random, n, self.where, False) for n in _NUMPY_RANDOM_FUNCTIONS]
+        # torch's own code saves and restores the generator (checkpoint's recompute, fork_rng): only
+        # the user's calls seed.
+        targets += [(m, n, self.seeded, True) for m in (torch, torch.random) for n in _TORCH_SEEDING_FUNCTIONS]
+        for module, name, notes, user_only in targets:
             original = getattr(module, name, None)
             if original is not None:
-                setattr(module, name, self._noting(original, f"{module.__name__}.{name}", notes))
+                setattr(module, name, self._noting(original, f"{module.__name__}.{name}", notes, user_only))
                 self._patched.append((module, name, original))
         return self
 
     @staticmethod
-    def _noting(original: Callable, label: str, notes: list) -> Callable:
+    def _noting(original: Callable, label: str, notes: list, user_only: bool) -> Callable:
         @functools.wraps(original)
         def call(*args: Any, **kwargs: Any) -> Any:
-            if len(notes) < 3:
-                frame = sys._getframe(1)
+            frame = sys._getframe(1)
+            if len(notes) < 3 and not (user_only and _is_library_path(frame.f_code.co_filename)):
                 notes.append(f"{label}() at {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
             return original(*args, **kwargs)
 
