@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import operator
 import threading
 import types
 import warnings
@@ -362,16 +363,16 @@ def _owner(example_inputs: Sequence[Any], options: dict) -> tuple[nn.Module, _Pa
     if ids:
         owners = [(m, info) for m, info in models if ids & {id(p) for p in m.parameters()}]
     else:
+
+        def parallelized_with(same: Callable[[Any, Any], bool]) -> list:
+            return [
+                (m, info)
+                for m, info in models
+                if same(options.get("mesh", info.mesh), info.mesh) and same(options.get("plan", info.plan), info.plan)
+            ]
+
         # The model parallelized with these very objects, else with equal ones.
-        owners = [
-            (m, info)
-            for m, info in models
-            if options.get("mesh", info.mesh) is info.mesh and options.get("plan", info.plan) is info.plan
-        ] or [
-            (m, info)
-            for m, info in models
-            if _same_setting(options.get("mesh", info.mesh), info.mesh) and _same_setting(options.get("plan", info.plan), info.plan)
-        ]
+        owners = parallelized_with(operator.is_) or parallelized_with(_same_setting)
     if len(owners) != 1:
         what = "reads parameters of" if ids else "reads no parameters and matches"
         raise SpmdError(

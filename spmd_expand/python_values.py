@@ -347,6 +347,8 @@ def record_reads(model: nn.Module, held: Sequence[tuple[str, Any, Callable[[], A
 
 
 def _attribute_reader(holder: Callable[[], Any], name: str) -> Callable[[], Any]:
+    """A reader of attribute ``name`` (dotted names too) of what ``holder()`` returns; ``_MISSING``
+    when the holder or the attribute is gone."""
     get = operator.attrgetter(name)
 
     def read() -> Any:
@@ -376,19 +378,13 @@ def _nearest_submodule(model: nn.Module, fqn: str) -> tuple[str, nn.Module]:
 def _attribute_value(module: nn.Module, fqn: str, name: str, value: Any) -> PythonValue:
     """A :class:`PythonValue` reading ``name`` of ``module`` (held weakly; a new module object at
     ``fqn`` is a new snapshot and cache key, so the reader never needs to look it up again)."""
-    get = operator.attrgetter(name)
     ref = weakref.ref(module)
 
-    def read() -> Any:
+    def holder() -> Any:
         m = ref()
-        if m is None:
-            return _MISSING
-        try:
-            return get(m)
-        except AttributeError:
-            return _MISSING
+        return _MISSING if m is None else m
 
-    return PythonValue(f"attribute {fqn + '.' if fqn else ''}{name} of the model", read, value)
+    return PythonValue(f"attribute {fqn + '.' if fqn else ''}{name} of the model", _attribute_reader(holder, name), value)
 
 
 # ---------------------------------------------------------------------------------------- code reads
@@ -589,11 +585,9 @@ def _is_traced(value: Any) -> bool:
 
 
 def _is_user_object(value: Any) -> bool:
-    """An instance of a class defined in the user's code (not a module, function, class, nn.Module or
-    optimizer), whose attributes a step may change (``tracker.count += 1``)."""
-    if isinstance(value, (types.ModuleType, type, types.FunctionType, types.MethodType, nn.Module, torch.optim.Optimizer, torch.Tensor)):
-        return False
-    return hasattr(value, "__dict__") and _is_user_class(type(value))
+    """A settings object (:func:`is_settings_object`) with a ``__dict__`` whose class is defined in the
+    user's code, whose attributes a step may change (``tracker.count += 1``)."""
+    return is_settings_object(value) and hasattr(value, "__dict__") and _is_user_class(type(value))
 
 
 def _is_user_class(cls: type) -> bool:
@@ -676,9 +670,12 @@ def _difference(old: Any, new: Any, attributes: bool = False) -> Optional[tuple[
 def _restore(obj: Any, old: Any) -> None:
     if isinstance(obj, _Variable):
         obj.restore(old)
-    elif isinstance(obj, (dict, set, collections.deque)):
+    elif isinstance(obj, (dict, set)):
         obj.clear()
-        obj.update(old) if not isinstance(obj, collections.deque) else obj.extend(old)
+        obj.update(old)
+    elif isinstance(obj, collections.deque):
+        obj.clear()
+        obj.extend(old)
     elif isinstance(obj, list):
         obj[:] = old
     else:

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import cases
 import spmd_expand as spmd
 
 LOSSES: list = []
@@ -39,12 +40,7 @@ def _mlp():
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
 
 
-def _train(model, optimizer, x):
-    loss = model(x).square().mean()
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
+_train = cases.mse_step  # forward, backward, step, zero_grad
 
 
 def _compiled(fake_mesh, step):
