@@ -155,9 +155,16 @@ class PythonGuards:
         for read in reads:
             place, module = _nearest_submodule(model, read.fqn)
             if read.via is not None:
-                # A settings object a module holds (self.config): guarded where the model holds it now.
+                # A settings object a module holds (self.config): guarded where the model holds it now,
+                # or, held by a stand-in with no place in the model, on the object itself.
                 if place == read.fqn and vars(module).get(read.via) is read.held:
                     self.values.append(_attribute_value(module, place, f"{read.via}.{read.name}", read.value))
+                else:
+                    self.values.append(PythonValue(
+                        f"attribute {read.name} of the {type(read.held).__name__} in {read.fqn}.{read.via} (a trace-time stand-in)",
+                        _attribute_reader(lambda held=read.held: held, read.name),
+                        read.value,
+                    ))
                 continue
             if module is read.module:
                 self.values.append(_attribute_value(module, place, read.name, read.value))

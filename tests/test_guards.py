@@ -330,6 +330,21 @@ def test_a_read_of_a_module_with_no_place_in_the_model_guards_the_nearest_one():
     assert "act.approximate" in guards.check()
 
 
+def test_a_settings_object_read_through_a_stand_in_is_still_guarded():
+    """A config held by a module with no place in the restored model (inside a trace-time stand-in)
+    is guarded on the object itself; the read was dropped, with no guard."""
+    from spmd_expand.python_values import ModuleRead, PythonGuards
+
+    model = Net()
+    config = _Config()
+    holder = nn.Module()  # stood at "act.inner" inside a stand-in for "act"
+    guards = PythonGuards(module_reads=[ModuleRead(holder, "act.inner", "residual_scale", 1.0, via="config", held=config)])
+    guards.bind(model)
+    assert guards.check() is None
+    config.residual_scale = 0.5
+    assert "residual_scale" in guards.check() and "act.inner.config" in guards.check()
+
+
 # ------------------------------------------------------------------ settings objects the trace read
 
 ARGS = argparse.Namespace(label_smoothing=0.0, epochs=10)
