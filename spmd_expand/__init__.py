@@ -9,7 +9,7 @@ Stages (one module each; the order is written in ``pipeline``): trace -> global 
 expand -> local passes (``spmd_expand.passes``) -> lower; see ``api.compile``.
 """
 
-from . import ops  # noqa: F401  (registers spmd_expand::gradient)
+from . import fused_optimizer_ops, ops  # noqa: F401  (register Meta kernels of fused optimizers; spmd_expand::gradient)
 from .api import CompiledStep, Override, StepArtifacts, compile
 from .backend import parallelize
 from .dsymint import DSymInt

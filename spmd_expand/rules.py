@@ -375,19 +375,23 @@ def _attention_strategy(num_outputs: int):
 
 
 def _fused_optimizer_rule(num_lists: int):
-    """Element i of each of the first ``num_lists`` tensor lists follows parameter i's placements."""
+    """Element i of each of the first ``num_lists`` tensor lists follows parameter i's placements (a
+    scalar state such as a step count, of another shape, is replicated)."""
 
     def rule(node: fx.Node, prop):
         params = node.args[0]
         param_specs = [prop.output_of(p) for p in params]
+        replicate = tuple(Replicate() for _ in range(prop.mesh.ndim))
+
+        def following(i: int, a: fx.Node):
+            spec = prop.output_of(a)
+            same_shape = tuple(spec.tensor_meta.shape) == tuple(param_specs[i].tensor_meta.shape)
+            return spec_with_meta(prop.mesh, param_specs[i].placements if same_shape else replicate, spec.tensor_meta)
+
         wanted = []
         for arg in node.args:
             if isinstance(arg, (list, tuple)):
-                for i, a in enumerate(arg):
-                    spec = prop.output_of(a)
-                    same_shape = tuple(spec.tensor_meta.shape) == tuple(param_specs[i].tensor_meta.shape)
-                    placements = param_specs[i].placements if same_shape else tuple(Replicate() for _ in range(prop.mesh.ndim))
-                    wanted.append(spec_with_meta(prop.mesh, placements, spec.tensor_meta))
+                wanted.extend(following(i, a) for i, a in enumerate(arg))
             elif isinstance(arg, fx.Node):
                 wanted.append(prop.output_of(arg))
             else:
@@ -395,10 +399,7 @@ def _fused_optimizer_rule(num_lists: int):
         for v in node.kwargs.values():
             if isinstance(v, fx.Node):
                 wanted.append(prop.output_of(v))
-        outputs = tuple(
-            [spec_with_meta(prop.mesh, param_specs[i].placements, prop.output_of(a).tensor_meta) for i, a in enumerate(node.args[k])]
-            for k in range(num_lists)
-        )
+        outputs = tuple([following(i, a) for i, a in enumerate(node.args[k])] for k in range(num_lists))
         return NodeSharding(inputs=tuple(wanted), output=outputs)
 
     return rule
@@ -510,6 +511,8 @@ _RULES: dict[Any, Callable] = {
     aten._fused_adam.tensor_lr: _fused_optimizer_rule(5),
     aten._fused_adamw.tensor_lr: _fused_optimizer_rule(5),
     aten._fused_sgd.tensor_lr: _fused_optimizer_rule(3),
+    aten._fused_adagrad.default: _fused_optimizer_rule(4),
+    aten._fused_adagrad.tensor_lr: _fused_optimizer_rule(3),
     aten.lift_fresh_copy.default: constant_rule,
     aten._scaled_dot_product_flash_attention_for_cpu.default: attention_rule,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: attention_rule,

@@ -224,6 +224,8 @@ _FUNCTIONAL_VARIANT = {
     aten._fused_adam_.tensor_lr: (aten._fused_adam.tensor_lr, (0, 1, 2, 3, 4)),
     aten._fused_adamw_.tensor_lr: (aten._fused_adamw.tensor_lr, (0, 1, 2, 3, 4)),
     aten._fused_sgd_.tensor_lr: (aten._fused_sgd.tensor_lr, (0, 1, 2)),
+    aten._fused_adagrad_.default: (aten._fused_adagrad.default, (0, 1, 2, 3)),
+    aten._fused_adagrad_.tensor_lr: (aten._fused_adagrad.tensor_lr, (0, 1, 2)),
 }
 
 

@@ -87,6 +87,10 @@ OPTIMIZERS: dict[str, Callable] = {
     "adam_fused": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
     "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
     "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    # Fused SGD and Adagrad: torch 2.13 has no Meta kernel for their ops (spmd_expand.fused_optimizer_ops).
+    "sgd_fused": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
+    "adagrad_fused": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, fused=True),
+    "adadelta_foreach": lambda ps: torch.optim.Adadelta(ps, lr=1.0, weight_decay=0.01, foreach=True),
     # Rprop's update writes its states with _foreach_copy_ (a rule of spmd_expand.rules); Adamax's
     # single-tensor path (its foreach path is refused with that fix).
     "rprop_foreach": lambda ps: torch.optim.Rprop(ps, lr=1e-3, foreach=True),

@@ -416,6 +416,39 @@ def _deep_mlp():
     return nn.Sequential(nn.Linear(16, 32), *layers, nn.Linear(32, 4))
 
 
+def _newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
+    """torch's Muon orthogonalization (``torch.optim._muon._zeropower_via_newtonschulz``: the quintic
+    Newton-Schulz iteration) in float32 instead of bfloat16, so a sharded run agrees with one device to
+    fp32 tolerance (in bfloat16, sharded matmuls round differently: parameters differ by ~4e-3)."""
+    a, b, c = ns_coefficients
+    wide = grad.size(0) > grad.size(1)
+    x = grad.float().T if wide else grad.float()
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if wide else x
+
+
+class Fp32Muon(torch.optim.Muon):
+    """``torch.optim.Muon`` with its Newton-Schulz iteration in float32 (:func:`_newton_schulz_fp32`)."""
+
+    def step(self, closure=None):
+        import torch.optim._muon as muon
+
+        original = muon._zeropower_via_newtonschulz
+        muon._zeropower_via_newtonschulz = _newton_schulz_fp32
+        try:
+            return super().step(closure)
+        finally:
+            muon._zeropower_via_newtonschulz = original
+
+
+def _matrices(ps):
+    """Muon updates 2-D parameters only (the biases keep their values and accumulate gradients)."""
+    return [p for p in ps if p.ndim == 2]
+
+
 SCENARIOS: dict[str, dict] = {
     "lr_set_directly_sgd": dict(optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=1e-2), between=set_lr),
     "lr_set_directly_adamw": dict(between=set_lr),
@@ -471,6 +504,14 @@ SCENARIOS: dict[str, dict] = {
     "buffer_assigned": dict(model_fn=RunningMean),
     "adam_single_tensor_deep": dict(model_fn=_deep_mlp, optimizer_fn=lambda ps: torch.optim.Adam(ps, lr=1e-2), steps=5),
     "adam_foreach_deep": dict(model_fn=_deep_mlp, optimizer_fn=lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True), steps=5),
+    # torch's Muon (momentum, then the gradient orthogonalized by Newton-Schulz matmuls over the whole
+    # matrix: under FSDP and TP the sharded gradient is gathered for them), with an LR schedule.
+    "muon": dict(
+        optimizer_fn=lambda ps: torch.optim.Muon(_matrices(ps), lr=0.02, momentum=0.9), between=set_lr
+    ),
+    "muon_fp32": dict(
+        optimizer_fn=lambda ps: Fp32Muon(_matrices(ps), lr=0.02, momentum=0.9, adjust_lr_fn="match_rms_adamw")
+    ),
 }
 
 PLANS = {

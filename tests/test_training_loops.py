@@ -18,8 +18,8 @@ RTOL, ATOL = 1e-4, 1e-5
 
 DDP = list(loops.SCENARIOS)
 CLIP = ["clip_grad_norm", "clip_grad_value", "grads_through_module", "zero_grad_set_to_none_false"]
-FSDP = CLIP + ["contrastive_clip", "mixup_randperm", "manual_sgd_no_optimizer", "gradient_penalty_double_backward", "buffer_assigned", "gradient_hooks", "forward_hook_added", "step_lr", "one_cycle_adam_foreach", "freeze_unfreeze", "zero_grad_first"]
-TP = CLIP + ["cosine", "train_eval"]
+FSDP = CLIP + ["contrastive_clip", "mixup_randperm", "manual_sgd_no_optimizer", "gradient_penalty_double_backward", "buffer_assigned", "gradient_hooks", "forward_hook_added", "step_lr", "one_cycle_adam_foreach", "freeze_unfreeze", "zero_grad_first", "muon_fp32"]
+TP = CLIP + ["cosine", "train_eval", "muon_fp32"]
 TWO_D = ["clip_grad_norm", "grads_through_module"]
 
 # Compilations per loop: AdamW's lazy state is created before tracing, so a loop compiles once even
