@@ -40,7 +40,8 @@ and a tensor kept that way would be a placeholder of the trace. The state the st
 containers and user objects its globals and closure variables hold, the variables it assigns, the
 plain attributes of the model's modules) is snapshotted before the trace and compared after;
 :func:`spmd_expand.trace._settle_state_changes` refuses, undoes or reports each change.
-:func:`code_writes` finds assignments to globals and closure variables in the code itself.
+:func:`code_writes` finds assignments to globals and closure variables in the code itself, :func:`code_prints`
+calls of `print` (both run once, when the step is traced: warned about).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ __all__ = [
     "StateChange",
     "StateWatch",
     "code_reads",
+    "code_prints",
     "code_writes",
     "forward_functions",
     "is_settings_object",
@@ -527,6 +529,25 @@ def code_writes(functions: list[Callable], depth: int = 4) -> list[str]:
         for fn in _user_functions(functions, depth)
         for kind, name, where in _stores(fn)
     ]
+
+
+def code_prints(functions: list[Callable], depth: int = 4) -> list[str]:
+    """Where the user's ``functions`` (followed as :func:`code_reads` follows them) call the builtin
+    ``print``: ``"file:line"``. A print runs when the step is traced, with fake tensors in place of
+    values, and not on later calls."""
+    found = []
+    for fn in _user_functions(functions, depth):
+        if "print" in fn.__globals__:  # the module defines its own print
+            continue
+        stack = [fn.__code__]
+        while stack:
+            c = stack.pop()
+            for ins in dis.get_instructions(c):
+                if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval == "print":
+                    line = ins.positions.lineno if ins.positions is not None else c.co_firstlineno
+                    found.append(f"{c.co_filename}:{line}")
+            stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return found
 
 
 def _variable_label(kind: str, name: str, fn: types.FunctionType) -> str:

@@ -55,6 +55,7 @@ from .python_values import (
     RandomStateUse,
     StateChange,
     StateWatch,
+    code_prints,
     code_reads,
     code_writes,
     forward_functions,
@@ -825,6 +826,13 @@ def trace_step(
             f"spmd.compile: the step assigns {write}; a compiled step's Python code runs when it is traced "
             f"(the first call and each recompilation), not on every call: keep such bookkeeping outside the "
             f"compiled step, or in a buffer it updates",
+            stacklevel=2,
+        )
+    for where in code_prints(user_functions):
+        warnings.warn(
+            f"spmd.compile: the step calls print() at {where}; a compiled step's Python code runs when it is "
+            f"traced (the first call and each recompilation), where tensors are stand-ins without values "
+            f"(FakeTensor), not on every call: return the values from the step and print them after the call",
             stacklevel=2,
         )
     functional.graph.eliminate_dead_code()

@@ -297,6 +297,32 @@ def test_assigning_a_global_in_the_step_warns(fake_mesh):
         step(model, optimizer, torch.randn(2, 8))
 
 
+def _printing_step(model, optimizer, x):
+    loss = _step(model, optimizer, x)
+    print("loss", loss)  # debugging output inside the step
+    return loss
+
+
+class PrintingNet(Net):
+    def forward(self, x):
+        out = super().forward(x)
+        print(out.shape)
+        return out
+
+
+def test_print_in_the_step_or_forward_warns(fake_mesh, capsys):
+    """print() runs once, at trace time, on fake tensors: the warning names each call site."""
+    torch.manual_seed(0)
+    model = PrintingNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(_printing_step)
+    with pytest.warns(UserWarning, match=r"calls print\(\) at .*test_guards.py:\d+; .*return the values from the step") as record:
+        step(model, optimizer, torch.randn(2, 8))
+    sites = {str(w.message).split(" at ")[1].split(";")[0] for w in record if "print()" in str(w.message)}
+    assert len(sites) == 2, sites  # the step's print and forward's
+    assert "FakeTensor" in capsys.readouterr().out  # what the user saw: a stand-in, not the loss
+
+
 def test_reads_of_a_trace_time_stand_in_guard_the_models_own_module(fake_mesh):
     """SyncBatchNorm is traced through a single-device stand-in that exists only while tracing: the
     guards read the model's own module (one compilation for three calls), and a change of its
