@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import PlanError, SpmdError, TraceError
 from .expand import RedistributeCache
@@ -49,6 +50,11 @@ def _find(leaves: Sequence[Any], kind: type, what: str, at_most_one: bool) -> Op
     return found[0] if found else None
 
 
+# Each parameter distribute_state replaced, and the DTensor parameter that replaced it (weak keys: an
+# entry lives as long as something, such as an optimizer built before the conversion, holds the old one).
+REPLACED_PARAMETERS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
 def _rebind_parameters(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], new: dict[int, nn.Parameter]) -> None:
     """Replace parameters everywhere they are referenced: owning modules (tied ones too), the flat
     weight lists of RNN modules, and optimizer."""
@@ -57,6 +63,7 @@ def _rebind_parameters(model: nn.Module, optimizer: Optional[torch.optim.Optimiz
         for name, p in list(module._parameters.items()):
             if p is not None and id(p) in new:
                 module._parameters[name] = new[id(p)]
+                REPLACED_PARAMETERS[p] = new[id(p)]
                 replaced = True
         if replaced and isinstance(module, nn.RNNBase):
             # nn.LSTM / GRU / RNN read their weights from _flat_weights, which nn.Module.__setattr__
@@ -235,6 +242,21 @@ def broadcast_materialized_state(model: nn.Module, mesh: DeviceMesh, where: str)
     _DISTRIBUTED_ON_META.discard(model)
 
 
+def _adopt_replaced_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Point ``optimizer`` at the DTensor parameters that replaced the plain ones it was built over,
+    when the model was converted by a call the optimizer was not handed to (an evaluation step run
+    before the first training step, or :meth:`CompiledStep.prepare` without it). Its state moves along."""
+    owned = {id(p) for p in model.parameters()}
+    moved = {
+        id(p): REPLACED_PARAMETERS[p]
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if id(p) not in owned and p in REPLACED_PARAMETERS and id(REPLACED_PARAMETERS[p]) in owned
+    }
+    if moved:
+        _rebind_parameters(model, optimizer, moved)
+
+
 def _check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Raise PlanError for an optimizer parameter the model does not own (the step could not
     place, reduce or write back its gradient)."""
@@ -393,6 +415,7 @@ class CompiledStep:
         build the optimizer before the first call.
         """
         if optimizer is not None:
+            _adopt_replaced_parameters(model, optimizer)
             _check_optimizer_params(model, optimizer)
         if model not in self._plans:
             self._plans[model] = resolve_plan(self.plan, self.mesh, model)
@@ -400,6 +423,13 @@ class CompiledStep:
         self._distribute_state(model, optimizer)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_inference_mode_enabled():
+            # An evaluation under torch.inference_mode(): the model's DTensor parameters, the optimizer
+            # state and the compiled graph's caches made here must stay ordinary tensors (an inference
+            # tensor can never be used by autograd or updated in place again), so the step runs outside
+            # it; the batch, inference tensors or not, is only read.
+            with torch.inference_mode(False):
+                return self(*args, **kwargs)
         leaves, _ = pytree.tree_flatten((args, kwargs))
         model = _find(leaves, nn.Module, "modules", at_most_one=False)
         optimizer = _find(leaves, torch.optim.Optimizer, "optimizers", at_most_one=True)

@@ -219,14 +219,21 @@ def run_loop(
     compiled_pair = {"model": model, "optimizer": optimizer_fn(model.parameters())}
     ref_pair = {"model": ref_model, "optimizer": optimizer_fn(ref_model.parameters())}
     compiled = spmd.compile(mesh=mesh, plan=plan, lower=lower)(step)
+
+    def shard(*batch):
+        resolved = resolve_plan(plan, mesh, compiled_pair["model"])
+        return [local_slice(t, mesh, resolved.batch_placements(t)) for t in batch]
+
+    # What ``between`` needs to run a second step of its own (an evaluation), compiled on one side.
+    compiled_pair.update(compile=spmd.compile(mesh=mesh, plan=plan, lower=lower), shard=shard, evals=[])
+    ref_pair.update(compile=lambda fn: fn, shard=lambda *batch: batch, evals=[])
     outs, ref_outs = [], []
     for i in range(steps):
         if between is not None:
             between(i, compiled_pair)
             between(i, ref_pair)
         x, y = _batch(i)
-        resolved = resolve_plan(plan, mesh, compiled_pair["model"])
-        local = [local_slice(t, mesh, resolved.batch_placements(t)) for t in (x, y)]
+        local = shard(x, y)
         torch.manual_seed(100 + i)  # steps that draw (a mixup permutation) draw the same on both sides
         outs.append(compiled(compiled_pair["model"], compiled_pair["optimizer"], *local))
         torch.manual_seed(100 + i)
@@ -250,6 +257,8 @@ def run_loop(
         "states": states(compiled_pair),
         "ref_states": states(ref_pair),
         "compilations": sum(len(v) for v in compiled.cache.values()),
+        "evals": compiled_pair["evals"],
+        "ref_evals": ref_pair["evals"],
     }
 
 
@@ -290,6 +299,29 @@ def toggle_train_eval(i, pair):
 
 def freeze_unfreeze(i, pair):
     pair["model"].fc1.weight.requires_grad_(i not in (1, 2))
+
+
+def eval_loss_and_logits(model, x, y):
+    logits = model(x)
+    return F.cross_entropy(logits, y), logits
+
+
+def evaluation(no_grad_context: Callable) -> Callable:
+    """A compiled evaluation step run under ``no_grad_context`` before the first training call and
+    after the second, in eval mode (as a validation loop does)."""
+
+    def between(i, pair):
+        if i not in (0, 2):
+            return
+        if "evaluate" not in pair:
+            pair["evaluate"] = pair["compile"](eval_loss_and_logits)
+        pair["model"].eval()
+        with no_grad_context():
+            loss, logits = pair["evaluate"](pair["model"], *pair["shard"](*_batch(50 + i)))
+        pair["model"].train()
+        pair["evals"] += [loss.detach().clone(), logits.detach().clone()]
+
+    return between
 
 
 def new_optimizer(i, pair):
@@ -469,6 +501,8 @@ SCENARIOS: dict[str, dict] = {
     ),
     "momentum": dict(optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.5, foreach=True), between=change_momentum),
     "train_eval": dict(between=toggle_train_eval),
+    "evaluate_no_grad": dict(between=evaluation(torch.no_grad)),
+    "evaluate_inference_mode": dict(between=evaluation(torch.inference_mode)),
     "freeze_unfreeze": dict(between=freeze_unfreeze),
     "new_optimizer": dict(between=new_optimizer),
     "new_model": dict(between=new_model),

@@ -149,6 +149,21 @@ def test_eager_call_of_parallelized_model_raises(fake_mesh):
         model(torch.randn(2, 8))
 
 
+@pytest.mark.parametrize("plan", [spmd.DDP(), spmd.FSDP()], ids=["ddp", "fsdp"])
+def test_optimizer_built_before_parallelize_is_refused(fake_mesh, plan):
+    # Its parameters are the tensors parallelize replaced: they get no gradients, so its step would
+    # skip them all and train nothing. Stepping it raises before anything is updated.
+    model = _mlp()
+    early = torch.optim.AdamW(model.parameters(), lr=0.1)
+    old = [p.detach().clone() for p in early.param_groups[0]["params"]]
+    spmd.parallelize(model, fake_mesh, plan)
+    with pytest.raises(spmd.PlanError, match=r"(?s)param_groups\[0\]\['params'\]\[0\].*build the optimizer after"):
+        early.step()
+    for p, before in zip(early.param_groups[0]["params"], old):
+        assert torch.equal(p, before)
+    torch.optim.AdamW(model.parameters(), lr=0.1).step()  # one built after: no error
+
+
 def test_fsdp_parameters_keep_their_names_and_eager_reads(fake_mesh):
     # Sharded parameters are read in their compute placements only while Dynamo traces.
     model = _mlp()

@@ -18,7 +18,7 @@ RTOL, ATOL = 1e-4, 1e-5
 
 DDP = list(loops.SCENARIOS)
 CLIP = ["clip_grad_norm", "clip_grad_value", "grads_through_module", "zero_grad_set_to_none_false"]
-FSDP = CLIP + ["contrastive_clip", "mixup_randperm", "manual_sgd_no_optimizer", "gradient_penalty_double_backward", "buffer_assigned", "gradient_hooks", "forward_hook_added", "step_lr", "one_cycle_adam_foreach", "freeze_unfreeze", "zero_grad_first", "muon_fp32"]
+FSDP = CLIP + ["contrastive_clip", "mixup_randperm", "manual_sgd_no_optimizer", "gradient_penalty_double_backward", "buffer_assigned", "gradient_hooks", "forward_hook_added", "step_lr", "one_cycle_adam_foreach", "freeze_unfreeze", "zero_grad_first", "muon_fp32", "evaluate_inference_mode"]
 TP = CLIP + ["cosine", "train_eval", "muon_fp32"]
 TWO_D = ["clip_grad_norm", "grads_through_module"]
 
@@ -69,6 +69,9 @@ def check(per_rank: list[dict], name: str) -> dict:
         assert r["states"].keys() == r["ref_states"].keys()
         for k in r["ref_states"]:
             _close(r["states"][k], r["ref_states"][k], f"state {k}")
+        assert len(r["evals"]) == len(r["ref_evals"])
+        for i, (out, ref) in enumerate(zip(r["evals"], r["ref_evals"])):
+            _close(out, ref, f"evaluation output {i}")
     return per_rank[0][name]
 
 
