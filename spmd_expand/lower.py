@@ -10,6 +10,7 @@ import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 
 from .errors import SpmdError
+from .passes.manager import copy_graph_module
 from .rng import draws_random
 from .watch import watch_collectives
 
@@ -65,6 +66,69 @@ def _cacheable():
     return tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)))
 
 
+def _for_inductor(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` that Inductor (torch 2.13, CPU) compiles: :func:`_views_as_reshapes`, then
+    :func:`_bool_collectives_as_uint8`. ``gm`` itself stays as it is (``step.last.local_graph``)."""
+    copy = copy_graph_module(gm)
+    _views_as_reshapes(copy)
+    _bool_collectives_as_uint8(copy)
+    copy.recompile()
+    return copy
+
+
+def _views_as_reshapes(gm: fx.GraphModule) -> None:
+    """Make the ``aten.view`` nodes of ``gm`` ``aten.reshape`` nodes.
+
+    The graph's views were recorded against the strides that ATen's meta functions give. Inductor
+    traces the graph again through its own decompositions, and some of them return other (equally
+    valid) strides: ``torch._inductor.decomposition.cat`` of one non-empty tensor and legacy empty
+    ones returns a ``clone`` that keeps its input's strides where ATen's ``cat`` returns a contiguous
+    tensor (HF T5's attention cache: ``cat([tensor([]), key_states], -2)`` of a transposed key), and a
+    later ``view`` of it stops the compilation ("Cannot view a tensor with shape ... and strides ...").
+    A reshape gives the same values: a view where the strides allow one, a copy where they do not.
+    The graph writes only into its inputs (the write-back ``copy_`` of parameters and states); a
+    view that some op writes into stays a view.
+    """
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
+        if not any(_writes_into(user, node) for user in node.users):
+            node.target = torch.ops.aten.reshape.default
+
+
+def _bool_collectives_as_uint8(gm: fx.GraphModule) -> None:
+    """Run the collectives of ``gm`` that move ``torch.bool`` tensors on ``torch.uint8`` ones.
+
+    Inductor's C++ code generation fails on a bool tensor that a collective wrote, once it is read
+    through an index (``CppCSEVariable(... dtype: torch.int64 ...)`` asserting in ``where``): HF
+    Llama's padded attention mask, all-gathered under DDP and indexed by position. The collective
+    moves the same bytes as uint8: ``x.to(uint8)`` before it, ``.to(bool)`` after its wait.
+    """
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not str(node.target).startswith("_c10d_functional.") or "wait_tensor" in str(node.target):
+            continue
+        source = node.args[0]
+        if not isinstance(source, fx.Node) or getattr(source.meta.get("val"), "dtype", None) != torch.bool:
+            continue
+        with graph.inserting_before(node):
+            as_uint8 = graph.call_function(torch.ops.aten._to_copy.default, (source,), {"dtype": torch.uint8})
+        node.replace_input_with(source, as_uint8)
+        for wait in [u for u in node.users if u.target is torch.ops._c10d_functional.wait_tensor.default]:
+            with graph.inserting_after(wait):
+                as_bool = graph.call_function(torch.ops.aten._to_copy.default, (wait,), {"dtype": torch.bool})
+            wait.replace_all_uses_with(as_bool, delete_user_cb=lambda user: user is not as_bool)
+
+
+def _writes_into(node: fx.Node, operand: fx.Node) -> bool:
+    """Whether ``node`` is an ATen op that mutates ``operand`` (an argument its schema marks as written)."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    schema = node.target._schema
+    return any(
+        arg.alias_info is not None and arg.alias_info.is_write and value is operand
+        for arg, value in zip(schema.arguments, node.args)
+    )
+
+
 def _lower(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], mode: str, ran_passes) -> Callable[..., list]:
     if mode == "eager":
         return gm
@@ -87,5 +151,5 @@ def _lower(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], mode: str
                 }
             )
         with inductor_config.patch(patches) if patches else contextlib.nullcontext(), _cacheable():
-            return compile_fx(gm, list(example_inputs))
+            return compile_fx(_for_inductor(gm), list(example_inputs))
     raise SpmdError(f"lower={mode!r} is not one of {LOWERINGS}")

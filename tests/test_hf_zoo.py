@@ -31,7 +31,16 @@ RUNS = [(name, plan, "eager") for plan in ("ddp", "fsdp") for name in BOTH_PLANS
     ("mixtral", "fsdp", "eager"),
     ("mixtral_grouped_mm", "ddp", "eager"),  # with the user's register_sharding for its custom ops
     ("gpt2", "ddp", "inductor"),
+    # Under the default lowering: T5's attention cache (a cat Inductor decomposes with other strides)
+    # and Llama's padded mask (a bool all-gather Inductor's C++ backend could not compile) stopped
+    # in Inductor.
+    ("t5", "ddp", "inductor"),
+    ("llama_padded", "ddp", "inductor"),
 ]
+# Runs whose parameters differ from one device's by Inductor's own rounding, amplified by AdamW on
+# near-zero gradients: T5 under Inductor on a single rank differs as much (1.6x the tolerance on one
+# element of one weight, measured), so these are held to 10x the tolerance.
+INDUCTOR_ROUNDING = {("t5", "ddp", "inductor")}
 
 SDPA_CPU = str(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
 GRADIENT_COLLECTIVE = {
@@ -49,7 +58,7 @@ def zoo():
 @pytest.mark.parametrize("name,plan,lower", RUNS, ids=["-".join(run) for run in RUNS])
 def test_hf_world2(zoo, name, plan, lower):
     per_rank = [res[(name, plan, lower)] for res in zoo]
-    check([{name: r} for r in per_rank], name)
+    check([{name: r} for r in per_rank], name, scale=10.0 if (name, plan, lower) in INDUCTOR_ROUNDING else 1.0)
     ops = per_rank[0]["graph_ops"]
     # The step really ran data-parallel: gradients were reduced by the plan's collective.
     assert GRADIENT_COLLECTIVE[plan] in ops, ops

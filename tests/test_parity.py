@@ -59,18 +59,21 @@ def results():
     return get
 
 
-def check(per_rank: list[dict], name: str) -> None:
+def check(per_rank: list[dict], name: str, scale: float = 1.0) -> None:
+    """Losses, parameters and optimizer states of every rank equal one device's, within the design's
+    tolerance times ``scale``."""
+    rtol, atol = RTOL * scale, ATOL * scale
     for rank, res in enumerate(per_rank):
         r = res[name]
         assert "error" not in r, f"rank {rank} failed:\n{r['error']}"
         assert r["all_dtensor"], "parameters are not DTensors after the first call"
-        torch.testing.assert_close(r["losses"], r["ref_losses"], rtol=RTOL, atol=ATOL, msg=lambda m: f"losses: {m}")
+        torch.testing.assert_close(r["losses"], r["ref_losses"], rtol=rtol, atol=atol, msg=lambda m: f"losses: {m}")
         assert r["params"].keys() == r["ref_params"].keys()
         for k in r["ref_params"]:
-            torch.testing.assert_close(r["params"][k], r["ref_params"][k], rtol=RTOL, atol=ATOL, msg=lambda m: f"param {k}: {m}")
+            torch.testing.assert_close(r["params"][k], r["ref_params"][k], rtol=rtol, atol=atol, msg=lambda m: f"param {k}: {m}")
         assert r["states"].keys() == r["ref_states"].keys()
         for k in r["ref_states"]:
-            torch.testing.assert_close(r["states"][k], r["ref_states"][k], rtol=RTOL, atol=ATOL, msg=lambda m: f"state {k}: {m}")
+            torch.testing.assert_close(r["states"][k], r["ref_states"][k], rtol=rtol, atol=atol, msg=lambda m: f"state {k}: {m}")
 
 
 @pytest.mark.parametrize("name", EAGER_W2)
