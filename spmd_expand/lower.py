@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
-from typing import Callable, Optional, Sequence
+import warnings
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -12,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .errors import SpmdError
 from .passes.manager import copy_graph_module
 from .rng import draws_random
+from .tensorify import tensorify_float_inputs
 from .watch import watch_collectives
 
 __all__ = ["LOWERINGS", "lower"]
@@ -66,12 +69,72 @@ def _cacheable():
     return tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)))
 
 
+class InductorStep:
+    """``gm`` compiled by Inductor (``compile_fx``), called like ``gm``.
+
+    Float inputs (the optimizer's hyperparameters) must stay inputs, and Inductor would compile them
+    in as constants (:mod:`spmd_expand.tensorify`). They are passed as 0-d float64 tensors where
+    :func:`~spmd_expand.tensorify.tensorify_float_inputs` could rewrite their uses; otherwise they stay
+    constants, and a call with other values compiles ``gm`` again for them (with a warning; the last
+    ``_KEEP`` compilations are kept), so that no call runs with a stale value.
+    """
+
+    _KEEP = 8
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: list, patches: dict):
+        self._gm, self._patches = gm, patches
+        floats = [i for i, x in enumerate(example_inputs) if isinstance(x, float)]
+        # The use of a float input that kept them constants, for the warning.
+        self.refused = tensorify_float_inputs(gm, floats) if floats else None
+        self.as_tensors = floats if self.refused is None else []
+        self.constants = [i for i in floats if i not in self.as_tensors]
+        self._compiled: collections.OrderedDict = collections.OrderedDict()
+        self._compile(example_inputs)
+
+    def _inputs(self, args: Sequence[Any]) -> list:
+        if not self.as_tensors:
+            return list(args)
+        inputs = list(args)
+        for i in self.as_tensors:
+            inputs[i] = torch.tensor(inputs[i], dtype=torch.float64)
+        return inputs
+
+    def _compile(self, args: Sequence[Any]) -> Callable[..., list]:
+        from torch._inductor import config as inductor_config
+        from torch._inductor.compile_fx import compile_fx
+
+        with inductor_config.patch(self._patches) if self._patches else contextlib.nullcontext(), _cacheable():
+            compiled = compile_fx(copy_graph_module(self._gm), self._inputs(args))
+        self._compiled[tuple(args[i] for i in self.constants)] = compiled
+        while len(self._compiled) > self._KEEP:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    def __call__(self, *args: Any) -> list:
+        key = tuple(args[i] for i in self.constants)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            warnings.warn(
+                f"spmd.compile: the Inductor-compiled step holds float inputs {self.constants} (optimizer "
+                f"hyperparameters) as constants, and they changed to {list(key)}: compiling the step again "
+                f"for these values (spmd_expand.tensorify cannot pass them as tensors through "
+                f"{self.refused.format_node()[:200]}). lower=\"eager\" takes them as inputs",
+                stacklevel=2,
+            )
+            compiled = self._compile(args)
+        else:
+            self._compiled.move_to_end(key)
+        return compiled(*self._inputs(args))
+
+
 def _for_inductor(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` that Inductor (torch 2.13, CPU) compiles: :func:`_views_as_reshapes`, then
-    :func:`_bool_collectives_as_uint8`. ``gm`` itself stays as it is (``step.last.local_graph``)."""
+    :func:`_bool_collectives_as_uint8`, :func:`_alpha_as_mul`. ``gm`` itself stays as it is
+    (``step.last.local_graph``)."""
     copy = copy_graph_module(gm)
     _views_as_reshapes(copy)
     _bool_collectives_as_uint8(copy)
+    _alpha_as_mul(copy)
     copy.recompile()
     return copy
 
@@ -118,6 +181,27 @@ def _bool_collectives_as_uint8(gm: fx.GraphModule) -> None:
             wait.replace_all_uses_with(as_bool, delete_user_cb=lambda user: user is not as_bool)
 
 
+def _alpha_as_mul(gm: fx.GraphModule) -> None:
+    """Write ``aten.add/sub.Tensor(x, y, alpha=a)`` as ``add/sub(x, mul(y, a))``, what the op computes.
+
+    Inductor's post-grad ``addmm`` pattern (``torch/_inductor/fx_passes/post_grad.py``) turns
+    ``add(x, mm(a, b))`` into ``addmm(x, a, b)`` and drops an ``alpha`` it does not match on:
+    ``add(x, mm(a, b), alpha=-0.1)`` computes ``x + a @ b``, silently. An optimizer step traced with the
+    backward is exactly that: SGD's ``p.add_(grad, alpha=-lr)`` on the gradient of a Linear weight that
+    needs no reduction (tensor-parallel shards). With the alpha as a multiplication nothing matches.
+    """
+    graph = gm.graph
+    for target in (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor):
+        for node in list(graph.find_nodes(op="call_function", target=target)):
+            alpha = node.kwargs.get("alpha", 1)
+            if isinstance(alpha, bool) or (not isinstance(alpha, fx.Node) and alpha == 1):
+                continue
+            x, y = node.args
+            with graph.inserting_before(node):
+                scaled = graph.call_function(torch.ops.aten.mul.Tensor, (y, alpha))
+            node.args, node.kwargs = (x, scaled), {}
+
+
 def _writes_into(node: fx.Node, operand: fx.Node) -> bool:
     """Whether ``node`` is an ATen op that mutates ``operand`` (an argument its schema marks as written)."""
     if not isinstance(node.target, torch._ops.OpOverload):
@@ -150,6 +234,5 @@ def _lower(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], mode: str
                     "aten_distributed_optimizations.enable_overlap_scheduling": False,
                 }
             )
-        with inductor_config.patch(patches) if patches else contextlib.nullcontext(), _cacheable():
-            return compile_fx(_for_inductor(gm), list(example_inputs))
+        return InductorStep(_for_inductor(gm), list(example_inputs), patches)
     raise SpmdError(f"lower={mode!r} is not one of {LOWERINGS}")

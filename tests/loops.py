@@ -257,6 +257,12 @@ def run_loop(
         "states": states(compiled_pair),
         "ref_states": states(ref_pair),
         "compilations": sum(len(v) for v in compiled.cache.values()),
+        # Inductor compilations of those graphs (more than one: a float input held as a constant changed).
+        "inductor_compilations": sum(
+            len(getattr(getattr(a.runner, "runner", a.runner), "_compiled", ()))
+            for v in compiled.cache.values()
+            for a in v
+        ),
         "evals": compiled_pair["evals"],
         "ref_evals": ref_pair["evals"],
     }
@@ -575,13 +581,13 @@ def _mesh(plan: str, world: int):
     return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=names)
 
 
-def run_scenarios(rank: int, world: int, names: list[str], plan: str = "ddp") -> dict:
+def run_scenarios(rank: int, world: int, names: list[str], plan: str = "ddp", lower: str = "eager") -> dict:
     """Worker: run each named scenario under ``plan``; errors are returned per scenario."""
     mesh = _mesh(plan, world)
     results = {}
     for name in names:
         try:
-            results[name] = run_loop(mesh, PLANS[plan][1](), **SCENARIOS[name])
+            results[name] = run_loop(mesh, PLANS[plan][1](), lower=lower, **SCENARIOS[name])
         except Exception:  # noqa: BLE001 - reported per scenario by the test
             results[name] = {"error": traceback.format_exc()}
     return results

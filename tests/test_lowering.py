@@ -3,6 +3,8 @@ passes in) is lowered eagerly; the steady-state graph goes to Inductor."""
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.nn as nn
 
@@ -24,3 +26,82 @@ def test_graph_that_creates_momentum_buffers_is_not_sent_to_inductor(fake_mesh):
     assert step.last is not first and step.last.lowering == "inductor"
     step(model, optimizer, x, y)
     assert sum(len(v) for v in step.cache.values()) == 2
+
+
+def _sgd_update(p, g, buf, lr, momentum, weight_decay):
+    """The shape of an optimizer's traced update: float arithmetic, then Scalar operands of ATen ops."""
+    decay = 1 - lr * weight_decay
+    p = torch.ops.aten.mul.Tensor(p, decay)
+    buf = torch.ops.aten._foreach_mul.Scalar([buf], momentum)[0]
+    buf = torch.ops.aten.add.Tensor(buf, g)
+    p = torch.ops.aten.add.Tensor(p, buf, alpha=-lr)
+    corrected = torch.ops.aten.pow.Scalar(momentum, torch.ops.aten.sum.default(g))
+    p = torch.ops.aten.lerp.Scalar(p, g, momentum * 0.5)
+    p = torch.ops.aten.addcdiv.default(p, g, buf, value=lr)
+    return p, buf, corrected
+
+
+def _traced(fn, *args):
+    """``fn`` as an fx graph whose float arguments stay inputs (as the step's hyperparameters are),
+    with ``meta["val"]`` on every node."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    gm = torch.fx.symbolic_trace(fn)
+    FakeTensorProp(gm).propagate(*args)
+    return gm
+
+
+def test_float_inputs_become_tensors_and_keep_their_values():
+    from spmd_expand.passes.manager import copy_graph_module
+    from spmd_expand.tensorify import tensorify_float_inputs
+
+    p, g, buf = torch.randn(4, 3), torch.randn(4, 3), torch.randn(4, 3)
+    gm = _traced(_sgd_update, p, g, buf, 0.1, 0.9, 0.01)
+    rewritten = copy_graph_module(gm)
+    assert tensorify_float_inputs(rewritten, [3, 4, 5]) is None
+    # No float reaches an op any more: every placeholder-derived value is a tensor.
+    assert not [n for n in rewritten.graph.nodes if n.target in (operator.mul, operator.sub, operator.neg)]
+    for hyper in [(0.1, 0.9, 0.01), (0.37, 0.5, 0.2)]:  # values other than the traced ones
+        expected = _sgd_update(p, g, buf, *hyper)
+        got = rewritten(p, g, buf, *(torch.tensor(h, dtype=torch.float64) for h in hyper))
+        for e, o in zip(expected, got):
+            torch.testing.assert_close(o, e, rtol=1e-6, atol=1e-7)
+
+
+def test_a_float_input_used_by_an_unknown_op_is_left_alone():
+    from spmd_expand.tensorify import tensorify_float_inputs
+
+    gm = _traced(lambda x, lr: torch.ops.aten.clamp.default(x, lr, None), torch.randn(3), 0.5)
+    code = gm.code
+    refused = tensorify_float_inputs(gm, [1])
+    assert refused is not None and refused.target is torch.ops.aten.clamp.default
+    assert gm.code == code
+
+
+def test_inductor_step_recompiles_for_a_float_it_holds_as_a_constant():
+    # Where the rewrite refuses, the value is a constant of the compiled code: a new value compiles
+    # again (with a warning) instead of running with the old one.
+    import pytest
+
+    from spmd_expand.lower import InductorStep
+
+    gm = _traced(lambda x, lr: [torch.ops.aten.clamp.default(x, lr, None)], torch.randn(3), 0.5)
+    x = torch.tensor([0.0, 1.0, 2.0])
+    step = InductorStep(gm, [x, 0.5], {})
+    assert step.constants == [1]
+    torch.testing.assert_close(step(x, 0.5)[0], torch.tensor([0.5, 1.0, 2.0]))
+    with pytest.warns(UserWarning, match="compiling the step again"):
+        out = step(x, 1.5)[0]
+    torch.testing.assert_close(out, torch.tensor([1.5, 1.5, 2.0]))
+
+
+def test_alpha_of_an_add_survives_inductor():
+    # torch 2.13's post-grad addmm pattern drops it: x + alpha * (a @ b) became x + a @ b.
+    from spmd_expand.lower import lower
+
+    def update(p, a, b):
+        return [torch.ops.aten.add.Tensor(p, torch.ops.aten.mm.default(a, b), alpha=-0.1)]
+
+    p, a, b = torch.randn(4, 4), torch.randn(4, 3), torch.randn(3, 4)
+    gm = _traced(update, p, a, b)
+    torch.testing.assert_close(lower(gm, [p, a, b], "inductor")(p, a, b)[0], update(p, a, b)[0])

@@ -21,6 +21,10 @@ CLIP = ["clip_grad_norm", "clip_grad_value", "grads_through_module", "zero_grad_
 FSDP = CLIP + ["contrastive_clip", "mixup_randperm", "manual_sgd_no_optimizer", "gradient_penalty_double_backward", "buffer_assigned", "gradient_hooks", "forward_hook_added", "step_lr", "one_cycle_adam_foreach", "freeze_unfreeze", "zero_grad_first", "muon_fp32", "evaluate_inference_mode"]
 TP = CLIP + ["cosine", "train_eval", "muon_fp32"]
 TWO_D = ["clip_grad_norm", "grads_through_module"]
+# Under the default lowering: Inductor would compile float hyperparameters in as constants
+# (spmd_expand/tensorify.py); every one of these changes one between calls.
+INDUCTOR = ["lr_set_directly_sgd", "step_lr", "one_cycle_adam_foreach", "betas_weight_decay_eps", "momentum", "cosine"]
+INDUCTOR_FSDP = ["step_lr", "one_cycle_sgd"]
 
 # Compilations per loop: AdamW's lazy state is created before tracing, so a loop compiles once even
 # while its learning rate and other hyperparameters change every step.
@@ -42,10 +46,10 @@ ONE_COMPILATION = [
 def results():
     memo: dict = {}
 
-    def get(plan: str, names: list[str], world: int = 2) -> list[dict]:
-        if plan not in memo:
-            memo[plan] = run_local(loops.run_scenarios, world, names, plan, timeout_s=1200)
-        return memo[plan]
+    def get(plan: str, names: list[str], world: int = 2, lower: str = "eager") -> list[dict]:
+        if (plan, lower) not in memo:
+            memo[plan, lower] = run_local(loops.run_scenarios, world, names, plan, lower, timeout_s=1200)
+        return memo[plan, lower]
 
     return get
 
@@ -78,6 +82,19 @@ def check(per_rank: list[dict], name: str) -> dict:
 @pytest.mark.parametrize("name", DDP)
 def test_ddp(results, name):
     check(results("ddp", DDP), name)
+
+
+@pytest.mark.parametrize("name", INDUCTOR)
+def test_ddp_inductor_hyperparameters_stay_inputs(results, name):
+    # Hyperparameters reach Inductor as 0-d tensors: no compilation per new value.
+    r = check(results("ddp", INDUCTOR, lower="inductor"), name)
+    assert r["compilations"] == (2 if name == "momentum" else 1)
+    assert r["inductor_compilations"] == 1  # (momentum's first graph creates the buffers: run eagerly)
+
+
+@pytest.mark.parametrize("name", INDUCTOR_FSDP)
+def test_fsdp_inductor_hyperparameters_stay_inputs(results, name):
+    check(results("fsdp", INDUCTOR_FSDP, lower="inductor"), name)
 
 
 @pytest.mark.parametrize("name", FSDP)
