@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import warnings
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -58,15 +59,51 @@ def lower(
     return watch_collectives(gm, _lower(gm, example_inputs, mode, ran_passes), mesh)
 
 
-def _cacheable():
+@contextlib.contextmanager
+def _without_torch_tensorify() -> Iterator[None]:
+    """Switch off torch's ``tensorify_python_scalars`` pass, which AOTAutograd runs on every graph.
+
+    It is Dynamo's ``specialize_float=False`` machinery: it turns Dynamo's symbolic float inputs into
+    tensors and, where it cannot, raises ``TensorifyScalarRestartAnalysis`` for Dynamo to trace again
+    with the float specialized. Our graphs have no such inputs (:mod:`spmd_expand.tensorify` did that
+    job), nobody can restart them, and with a BatchNorm in the graph the pass raised anyway (backed
+    float symbols in the shape env). torch reads its switch, the ``TENSORIFY_PYTHON_SCALARS``
+    environment variable, on each graph."""
+    previous = os.environ.get("TENSORIFY_PYTHON_SCALARS")
+    os.environ["TENSORIFY_PYTHON_SCALARS"] = "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["TENSORIFY_PYTHON_SCALARS"]
+        else:
+            os.environ["TENSORIFY_PYTHON_SCALARS"] = previous
+
+
+def _cacheable(example_inputs: Sequence[Any]):
     """A tracing context whose fake mode has a ``ShapeEnv``: Inductor's FX graph cache (on by default)
     bypasses a graph compiled without one ("No shape env"), so each process compiled every graph again.
-    ``static_shapes``: our graphs are specialized to this rank's local sizes."""
+
+    Our graphs are specialized to this rank's local sizes, so every input is registered with static
+    sizes. ``static_shapes=True`` on the fake mode is not enough: AOTAutograd fakifies the example
+    inputs with ``from_tensor(static_shapes=False)`` unless the tracing context holds a symbolic
+    context for the tensor, so every size became a symbol. Inductor then compiled size-generic
+    kernels, and a BatchNorm's unbiased-variance factor ``n / (n - 1)`` became a symbolic float that
+    torch's ``tensorify_python_scalars`` pass could not place ("KeyError: s18"): a ResNet step
+    under DDP stopped in Inductor.
+    """
+    from torch._dynamo.source import LocalSource
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatefulSymbolicContext
 
-    return tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)))
+    context = TracingContext(FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True))
+    for i, x in enumerate(example_inputs):
+        if isinstance(x, torch.Tensor):
+            context.tensor_to_context[x] = StatefulSymbolicContext(
+                dynamic_sizes=[DimDynamic.STATIC] * x.dim(), tensor_source=LocalSource(f"arg{i}")
+            )
+    return tracing(context)
 
 
 class InductorStep:
@@ -103,8 +140,10 @@ class InductorStep:
         from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import compile_fx
 
-        with inductor_config.patch(self._patches) if self._patches else contextlib.nullcontext(), _cacheable():
-            compiled = compile_fx(copy_graph_module(self._gm), self._inputs(args))
+        inputs = self._inputs(args)
+        with inductor_config.patch(self._patches) if self._patches else contextlib.nullcontext(), _cacheable(inputs), \
+                _without_torch_tensorify():
+            compiled = compile_fx(copy_graph_module(self._gm), inputs)
         self._compiled[tuple(args[i] for i in self.constants)] = compiled
         while len(self._compiled) > self._KEEP:
             self._compiled.popitem(last=False)
