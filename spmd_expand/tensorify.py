@@ -124,12 +124,21 @@ def _bound(node: fx.Node) -> dict[str, Any]:
     return values
 
 
+def _full_precision(value: fx.Node) -> bool:
+    return value.meta["val"].dtype not in (torch.bfloat16, torch.float16)
+
+
 def _is_tensor(value: Any, scalars: set[fx.Node]) -> bool:
     return isinstance(value, fx.Node) and value not in scalars and isinstance(value.meta.get("val"), torch.Tensor)
 
 
 def _supported_use(node: fx.Node, scalars: set[fx.Node]) -> bool:
     target, args, kwargs = node.target, node.args, node.kwargs
+    if not all(_full_precision(a) for a in _operands(node) if _is_tensor(a, scalars)):
+        # An op on bfloat16/float16 tensors computes in float32 with the Scalar unrounded; with a 0-d
+        # tensor of the operand's dtype the value would be rounded to 16 bits first (AdamW's beta1 0.9
+        # becoming 0.8984 on bf16 states). Such uses keep the constants.
+        return False
     if target in _BINARY:
         return _is_tensor(args[0], scalars) and set(kwargs) <= {"alpha"}
     if target is aten.pow.Scalar:

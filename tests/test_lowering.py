@@ -105,3 +105,12 @@ def test_alpha_of_an_add_survives_inductor():
     p, a, b = torch.randn(4, 4), torch.randn(4, 3), torch.randn(3, 4)
     gm = _traced(update, p, a, b)
     torch.testing.assert_close(lower(gm, [p, a, b], "inductor")(p, a, b)[0], update(p, a, b)[0])
+
+
+def test_bfloat16_operands_keep_the_constant():
+    # A Scalar multiplies a bf16 tensor in float32, unrounded; a bf16 0-d tensor would round it first.
+    from spmd_expand.tensorify import tensorify_float_inputs
+
+    gm = _traced(lambda x, beta: torch.ops.aten.mul.Tensor(x, beta), torch.randn(3, dtype=torch.bfloat16), 0.9)
+    refused = tensorify_float_inputs(gm, [1])
+    assert refused is not None and refused.target is torch.ops.aten.mul.Tensor
