@@ -5,14 +5,16 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import unittest.mock
 import warnings
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 
 from .errors import SpmdError
+from .graph_stats import COLLECTIVES
 from .passes.manager import copy_graph_module
 from .rng import draws_random
 from .tensorify import tensorify_float_inputs
@@ -59,8 +61,7 @@ def lower(
     return watch_collectives(gm, _lower(gm, example_inputs, mode, ran_passes), mesh)
 
 
-@contextlib.contextmanager
-def _without_torch_tensorify() -> Iterator[None]:
+def _without_torch_tensorify() -> contextlib.AbstractContextManager:
     """Switch off torch's ``tensorify_python_scalars`` pass, which AOTAutograd runs on every graph.
 
     It is Dynamo's ``specialize_float=False`` machinery: it turns Dynamo's symbolic float inputs into
@@ -69,15 +70,7 @@ def _without_torch_tensorify() -> Iterator[None]:
     job), nobody can restart them, and with a BatchNorm in the graph the pass raised anyway (backed
     float symbols in the shape env). torch reads its switch, the ``TENSORIFY_PYTHON_SCALARS``
     environment variable, on each graph."""
-    previous = os.environ.get("TENSORIFY_PYTHON_SCALARS")
-    os.environ["TENSORIFY_PYTHON_SCALARS"] = "0"
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["TENSORIFY_PYTHON_SCALARS"]
-        else:
-            os.environ["TENSORIFY_PYTHON_SCALARS"] = previous
+    return unittest.mock.patch.dict(os.environ, {"TENSORIFY_PYTHON_SCALARS": "0"})
 
 
 def _cacheable(example_inputs: Sequence[Any]):
@@ -123,8 +116,7 @@ class InductorStep:
         floats = [i for i, x in enumerate(example_inputs) if isinstance(x, float)]
         # The use of a float input that kept them constants, for the warning.
         self.refused = tensorify_float_inputs(gm, floats) if floats else None
-        self.as_tensors = floats if self.refused is None else []
-        self.constants = [i for i in floats if i not in self.as_tensors]
+        self.as_tensors, self.constants = (floats, []) if self.refused is None else ([], floats)
         self._compiled: collections.OrderedDict = collections.OrderedDict()
         self._compile(example_inputs)
 
@@ -206,7 +198,7 @@ def _bool_collectives_as_uint8(gm: fx.GraphModule) -> None:
     """
     graph = gm.graph
     for node in list(graph.nodes):
-        if node.op != "call_function" or not str(node.target).startswith("_c10d_functional.") or "wait_tensor" in str(node.target):
+        if node.op != "call_function" or node.target not in COLLECTIVES:
             continue
         source = node.args[0]
         if not isinstance(source, fx.Node) or getattr(source.meta.get("val"), "dtype", None) != torch.bool:
