@@ -10,6 +10,11 @@ the graph (and only moves collectives, the nodes that exist only to feed them, a
   still read its input);
 * **issue early**: each collective start (with the nodes that exist only to feed it: a bucket's
   flatten/concatenate, a padding) moves to just after the last node it depends on;
+* **issue at the start what only the batch decides**: a collective whose input is computed from graph
+  inputs alone, by deterministic ops that exist only to feed it (views may be shared), moves to the
+  top of the graph with that computation. The loss denominator is the case that matters: the count
+  of targets not ignored (``trace._nll_loss_mean_as_sum`` counts it from the targets), all-reduced
+  over the data-parallel ranks, used to block after the forward; it now flies during the forward;
 * **bounded prefetch of all-gathers**: an all-gather is not issued before the wait of the all-gather
   issued before it, so at most two gathered buckets are alive at once: FSDP2's default (prefetch the
   next block's parameters while the current block computes; Zhao et al., "PyTorch FSDP", VLDB 2023,
@@ -128,6 +133,49 @@ def _feeders(start: fx.Node) -> list[fx.Node]:
     return sorted(members, key=order.__getitem__)
 
 
+def _recomputable(node: fx.Node) -> bool:
+    """A deterministic op without in-place writes (moving it changes no value)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    return (
+        not target._schema.is_mutable
+        and torch.Tag.nondeterministic_seeded not in target.tags
+        and collective_kind(node) is None
+        and target is not WAIT
+    )
+
+
+def _is_view(node: fx.Node) -> bool:
+    returns = node.target._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
+def _input_cone(members: list[fx.Node]) -> list[fx.Node]:
+    """The compute that exists only to feed a collective (``members``: its start and feeders) when
+    it reads nothing but graph inputs, in graph order; else ``[]``.
+
+    The loss denominator is one: the count of targets not ignored, summed over the data-parallel
+    ranks. It depends on no activation, so it (and its all-reduce) can run when the step starts.
+    """
+    inside = set(members)
+    cone: set[fx.Node] = set()
+    stack = [a for m in members for a in m.all_input_nodes if a not in inside]
+    while stack:
+        node = stack.pop()
+        if node in cone or node.op in ("placeholder", "get_attr"):
+            continue
+        if not _recomputable(node):
+            return []
+        cone.add(node)
+        stack.extend(node.all_input_nodes)
+    # A node other nodes use too moves only if it is a view (it then keeps no new bytes alive longer).
+    if any(u not in cone and u not in inside and not _is_view(n) for n in cone for u in n.users):
+        return []
+    order = {n: i for i, n in enumerate(members[0].graph.nodes)}
+    return sorted(cone, key=order.__getitem__)
+
+
 class OverlapCollectives(SpmdPass):
     """Local pass: collectives issued early, waited late (see the module docstring).
 
@@ -192,6 +240,7 @@ class OverlapCollectives(SpmdPass):
         for start in starts:
             order = {n: i for i, n in enumerate(graph.nodes)}
             members = _feeders(start)
+            members = _input_cone(members) + members
             member_set = set(members)
             anchor = None  # the node the members go right after
             for m in members:

@@ -236,10 +236,18 @@ def _nll_loss_mean_as_sum(self, target, weight, reduction, ignore_index):
     DTensor's rule for the mean form averages per-rank means (``Partial(avg)``), which is wrong when
     ranks ignore different numbers of targets; as a sum and a total weight, both are reduced before
     the division, so the mean is over the global batch.
+
+    Without class weights the total weight is the number of targets not equal to ``ignore_index``
+    (what ``nll_loss_forward`` returns), counted here from ``target`` alone: the count then depends
+    on no activation, so under data parallelism its all-reduce can be issued when the step starts
+    (the ``overlap`` pass moves it there) instead of blocking after the forward.
     """
     if reduction != 1:  # torch._reduction: 0 none, 1 mean, 2 sum
         return NotImplemented
     total, total_weight = aten.nll_loss_forward.default(self, target, weight, 2, ignore_index)
+    if weight is None:
+        counted = aten.sum.default(aten.ne.Scalar(target, ignore_index))
+        total_weight = aten._to_copy.default(counted, dtype=self.dtype)
     return total / total_weight, total_weight
 
 

@@ -221,6 +221,68 @@ def test_overlap_never_moves_a_collective_above_an_in_place_write(ddp_graph):
     assert all(before[name] <= after[name] for name in before)
 
 
+def test_overlap_issues_the_loss_denominator_when_the_step_starts(ddp_graph):
+    gm, context = ddp_graph
+    bucketed, _ = run_passes(copy_graph_module(gm), [BucketCollectives()], context)
+    out, _ = run_passes(copy_graph_module(bucketed), [OverlapCollectives()], context)
+
+    def denominator(graph_module):
+        # The all-reduce of nll_loss's total weight: the count of targets not equal to ignore_index.
+        return next(
+            n
+            for n in graph_module.graph.nodes
+            if collective_kind(n) == "all_reduce" and n.args[0].args[0].args[0].target is torch.ops.aten.ne.Scalar
+        )
+
+    compute = (torch.ops.aten.embedding.default, torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    pos = _position(bucketed)
+    first_compute = min(pos[n] for n in bucketed.graph.nodes if n.target in compute)
+    assert pos[denominator(bucketed)] > first_compute  # expansion placed it after the forward
+    pos = _position(out)
+    first_compute = min(pos[n] for n in out.graph.nodes if n.target in compute)
+    start = denominator(out)
+    assert pos[start] < first_compute  # issued before any compute: it reads only the batch
+    wait = next(iter(start.users))
+    between = list(out.graph.nodes)[pos[wait] + 1 : pos[min(wait.users, key=pos.__getitem__)]]
+    assert all(n.target is WAIT or collective_kind(n) for n in between)  # waited where it is used
+
+
+def _denominator_graph(extra: str) -> fx.GraphModule:
+    """x @ x / all_reduce(count(target != -100)); ``extra`` changes the count's computation."""
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    graph = fx.Graph()
+    x, target = graph.placeholder("x"), graph.placeholder("target")
+    h = graph.call_function(aten.mm.default, (x, x))
+    mask = graph.call_function(aten.ne.Scalar, (h if extra == "reads activation" else target, -100))
+    if extra == "random":
+        mask = graph.call_function(aten.bernoulli.p, (graph.call_function(aten._to_copy.default, (mask,), {"dtype": torch.float32}), 0.5))
+    count = graph.call_function(aten.sum.default, (mask,))
+    if extra == "count used twice":
+        h = graph.call_function(aten.mul.Tensor, (h, count))
+    reduced = graph.call_function(c10d.all_reduce.default, (count, "sum", "0"))
+    waited = graph.call_function(c10d.wait_tensor.default, (reduced,))
+    graph.output(graph.call_function(aten.div.Tensor, (h, waited)))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+@pytest.mark.parametrize("extra", ["", "reads activation", "random", "count used twice"])
+def test_overlap_hoists_only_deterministic_compute_that_reads_graph_inputs(extra):
+    gm = _denominator_graph(extra)
+    result = OverlapCollectives().call(gm)
+    nodes = [n for n in result.graph_module.graph.nodes if n.op == "call_function"]
+    names = [getattr(n.target, "__name__", str(n.target)) for n in nodes]
+    start = names.index("all_reduce.default")
+    if extra == "":
+        # The count and its all-reduce go first; the matmul runs while the bytes move.
+        assert names[: start + 1] == ["ne.Scalar", "sum.default", "all_reduce.default"]
+        assert names[start + 1] == "mm.default"
+    else:
+        # Reading an activation, drawing random numbers, or sharing a non-view value with other
+        # compute: the count stays where it was and the collective issues right after it.
+        assert names.index("mm.default") < start
+        assert names[start - 1] == "sum.default"
+
+
 def test_regather_adds_markers_once(world):
     step, mesh = _compile("fsdp", [], world)
     traced = step.last.traced
