@@ -51,6 +51,10 @@ _BINARY = {
     aten.mul.Scalar: aten.mul.Tensor,
     aten.div.Scalar: aten.div.Tensor,
 }
+# Ops whose kernels round a Scalar operand to a 16-bit tensor's dtype before computing in float32
+# (add/sub take it as a wrapped tensor of the common dtype; so do pow and every ``alpha``); mul, div,
+# lerp and addcmul/addcdiv take it unrounded. Checked against eager on bfloat16 (tests/test_lowering.py).
+_ROUNDS_SCALAR = frozenset({aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar})
 # Foreach ops over lists, with a Scalar taken by every element: written per element.
 _FOREACH = {
     aten._foreach_add.Scalar: "add",
@@ -124,8 +128,11 @@ def _bound(node: fx.Node) -> dict[str, Any]:
     return values
 
 
-def _full_precision(value: fx.Node) -> bool:
-    return value.meta["val"].dtype not in (torch.bfloat16, torch.float16)
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _is_half(value: Any) -> bool:
+    return isinstance(value, fx.Node) and isinstance(value.meta.get("val"), torch.Tensor) and value.meta["val"].dtype in _HALF
 
 
 def _is_tensor(value: Any, scalars: set[fx.Node]) -> bool:
@@ -134,11 +141,6 @@ def _is_tensor(value: Any, scalars: set[fx.Node]) -> bool:
 
 def _supported_use(node: fx.Node, scalars: set[fx.Node]) -> bool:
     target, args, kwargs = node.target, node.args, node.kwargs
-    if not all(_full_precision(a) for a in _operands(node) if _is_tensor(a, scalars)):
-        # An op on bfloat16/float16 tensors computes in float32 with the Scalar unrounded; with a 0-d
-        # tensor of the operand's dtype the value would be rounded to 16 bits first (AdamW's beta1 0.9
-        # becoming 0.8984 on bf16 states). Such uses keep the constants.
-        return False
     if target in _BINARY:
         return _is_tensor(args[0], scalars) and set(kwargs) <= {"alpha"}
     if target is aten.pow.Scalar:
@@ -174,14 +176,39 @@ class _Rewrite:
             return self.tensor[value]
         return self.call(aten.scalar_tensor.default, value, dtype=torch.float64)
 
-    def like(self, value: Any, operand: fx.Node) -> Any:
-        """``value`` (scalar node or number) cast to ``operand``'s dtype, as an op casts a Scalar."""
-        if not isinstance(value, fx.Node) or value not in self.scalars:
+    def like(self, value: Any, operand: fx.Node, rounds: bool = False) -> Any:
+        """``value`` cast to the dtype an op on ``operand`` computes in, as the op casts a Scalar: the
+        operand's own dtype, float32 for bfloat16/float16, whose ops compute in float32. Whether the
+        Scalar is first rounded to the 16-bit dtype depends on the ATen kernel (``rounds``, see
+        :data:`_ROUNDS_SCALAR`): ``mul``/``div``/``lerp``/``addcmul`` keep it unrounded (a bf16 0-d
+        tensor would round AdamW's beta1 0.9 to 0.8984), ``add``/``sub``/``pow`` and every ``alpha``
+        round it. A 16-bit tensor operand is upcast (:meth:`up`); numbers are returned as they are."""
+        if not isinstance(value, fx.Node):
             return value
+        if value not in self.scalars:
+            return self.up(value)
         dtype = operand.meta["val"].dtype
-        if not dtype.is_floating_point and not dtype.is_complex:
+        tensor = self.tensor[value]
+        if dtype in _HALF:
+            if rounds:
+                tensor = self.call(aten._to_copy.default, tensor, dtype=dtype)
+            dtype = torch.float32
+        elif not dtype.is_floating_point and not dtype.is_complex:
             dtype = torch.get_default_dtype()
-        return self.call(aten._to_copy.default, self.tensor[value], dtype=dtype)
+        return self.call(aten._to_copy.default, tensor, dtype=dtype)
+
+    def up(self, value: Any) -> Any:
+        """A bfloat16/float16 tensor node as float32 (what the op computes in); anything else as is."""
+        if not _is_half(value):
+            return value
+        return self.call(aten._to_copy.default, value, dtype=torch.float32)
+
+    def down(self, result: fx.Node, like: fx.Node) -> fx.Node:
+        """``result`` rounded once to the dtype of the node it replaces, when that has 16 bits."""
+        dtype = like.meta["val"].dtype if isinstance(like.meta.get("val"), torch.Tensor) else None
+        if dtype not in _HALF:
+            return result
+        return self.call(aten._to_copy.default, result, dtype=dtype)
 
     def __call__(self, node: fx.Node) -> None:
         target, args, kwargs = node.target, node.args, node.kwargs
@@ -190,35 +217,38 @@ class _Rewrite:
                 self.tensor[node] = self.call(_SCALAR_OPS[target], *(self.as_tensor(a) for a in args))
                 return
             if target in _BINARY:
-                x, other, alpha = args[0], self.like(args[1], node.args[0]), kwargs.get("alpha", 1)
+                rounds = target in _ROUNDS_SCALAR
+                x, other, alpha = self.up(args[0]), self.like(args[1], args[0], rounds), kwargs.get("alpha", 1)
                 if isinstance(alpha, fx.Node) and alpha in self.scalars:
                     # x + alpha * other, the op's own order
-                    other = self.call(aten.mul.Tensor, self.like(alpha, x), other)
+                    other = self.call(aten.mul.Tensor, self.like(alpha, args[0], rounds=True), other)
                     alpha = 1
                 new = self.call(_BINARY[target], x, other, **({"alpha": alpha} if alpha != 1 else {}))
             elif target is aten.pow.Scalar:
-                new = self.call(aten.pow.Tensor_Tensor, self.like(args[0], args[1]), args[1])
+                new = self.call(aten.pow.Tensor_Tensor, self.like(args[0], args[1], rounds=True), self.up(args[1]))
             elif target is aten.pow.Tensor_Scalar:
-                new = self.call(aten.pow.Tensor_Tensor, args[0], self.like(args[1], args[0]))
+                new = self.call(aten.pow.Tensor_Tensor, self.up(args[0]), self.like(args[1], args[0], rounds=True))
             elif target is aten.scalar_tensor.default:
                 new = self.call(
                     aten._to_copy.default, self.tensor[args[0]], dtype=kwargs.get("dtype") or torch.get_default_dtype(), device=kwargs.get("device")
                 )
             elif target is aten.lerp.Scalar:
-                new = self.call(aten.lerp.Tensor, args[0], args[1], self.like(args[2], args[0]))
+                new = self.call(aten.lerp.Tensor, self.up(args[0]), self.up(args[1]), self.like(args[2], args[0]))
             elif target in (aten.addcmul.default, aten.addcdiv.default):
                 new = self._addc("addcmul" if target is aten.addcmul.default else "addcdiv", *args[:3], kwargs.get("value", 1))
             else:  # _FOREACH
                 self._foreach(node)
                 return
+            if target is not aten.scalar_tensor.default:
+                new = self.down(new, node)
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         self.graph.erase_node(node)
 
     def _addc(self, kind: str, x: fx.Node, t1: fx.Node, t2: fx.Node, value: Any) -> fx.Node:
         """``x + value * (t1 * t2)`` or ``x + value * (t1 / t2)``."""
-        product = self.call(aten.mul.Tensor if kind == "addcmul" else aten.div.Tensor, t1, t2)
-        return self.call(aten.add.Tensor, x, self.call(aten.mul.Tensor, product, self.like(value, x)))
+        product = self.call(aten.mul.Tensor if kind == "addcmul" else aten.div.Tensor, self.up(t1), self.up(t2))
+        return self.call(aten.add.Tensor, self.up(x), self.call(aten.mul.Tensor, product, self.like(value, x)))
 
     def _foreach(self, node: fx.Node) -> None:
         kind = _FOREACH[node.target]
@@ -229,14 +259,15 @@ class _Rewrite:
         for elements in zip(*lists):
             x = elements[0]
             if kind == "lerp":
-                results.append(self.call(aten.lerp.Tensor, x, elements[1], self.like(scalar, x)))
+                result = self.call(aten.lerp.Tensor, self.up(x), self.up(elements[1]), self.like(scalar, x))
             elif kind in ("addcmul", "addcdiv"):
-                results.append(self._addc(kind, x, elements[1], elements[2], scalar))
-            elif kind in ("add_list", "sub_list"):
-                scaled = self.call(aten.mul.Tensor, self.like(scalar, x), elements[1])
-                results.append(self.call(aten.add.Tensor if kind == "add_list" else aten.sub.Tensor, x, scaled))
+                result = self._addc(kind, x, elements[1], elements[2], scalar)
+            elif kind in ("add_list", "sub_list"):  # x + alpha * y
+                scaled = self.call(aten.mul.Tensor, self.like(scalar, x, rounds=True), self.up(elements[1]))
+                result = self.call(aten.add.Tensor if kind == "add_list" else aten.sub.Tensor, self.up(x), scaled)
             else:
-                results.append(self.call(getattr(aten, kind).Tensor, x, self.like(scalar, x)))
+                result = self.call(getattr(aten, kind).Tensor, self.up(x), self.like(scalar, x, rounds=kind in ("add", "sub")))
+            results.append(self.down(result, x))
         for user in list(node.users):
             results[user.args[1]].meta.update(user.meta)
             user.replace_all_uses_with(results[user.args[1]])

@@ -43,6 +43,18 @@ class TwoLayer(nn.Module):
         return self.fc2(h * 0.5 if self.training else h)
 
 
+class PureBf16(TwoLayer):
+    """:class:`TwoLayer` with bfloat16 parameters (``model.bfloat16()``, as LLM fine-tuning scripts do):
+    its optimizer states are bfloat16 too. Float32 batches are cast on the way in, logits on the way out."""
+
+    def __init__(self):
+        super().__init__()
+        self.bfloat16()
+
+    def forward(self, x):
+        return super().forward(x.bfloat16()).float()
+
+
 def classification_step(model, optimizer, x, y):
     loss = F.cross_entropy(model(x), y)
     loss.backward()
@@ -546,6 +558,12 @@ SCENARIOS: dict[str, dict] = {
     "adam_foreach_deep": dict(model_fn=_deep_mlp, optimizer_fn=lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True), steps=5),
     # torch's Muon (momentum, then the gradient orthogonalized by Newton-Schulz matmuls over the whole
     # matrix: under FSDP and TP the sharded gradient is gathered for them), with an LR schedule.
+    # Parameters and optimizer states in bfloat16, the LR changed every step by a scheduler.
+    "bf16_adamw_cosine": dict(
+        model_fn=PureBf16,
+        optimizer_fn=lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
+        between=scheduler(lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=3)),
+    ),
     "muon": dict(
         optimizer_fn=lambda ps: torch.optim.Muon(_matrices(ps), lr=0.02, momentum=0.9), between=set_lr
     ),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import operator
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -107,10 +108,44 @@ def test_alpha_of_an_add_survives_inductor():
     torch.testing.assert_close(lower(gm, [p, a, b], "inductor")(p, a, b)[0], update(p, a, b)[0])
 
 
-def test_bfloat16_operands_keep_the_constant():
-    # A Scalar multiplies a bf16 tensor in float32, unrounded; a bf16 0-d tensor would round it first.
+aten = torch.ops.aten
+# Every op form the rewrite knows, with a float input ``h``; x, y, z are 16-bit tensors.
+_HALF_FORMS = {
+    "mul": lambda x, y, z, h: aten.mul.Tensor(x, h),
+    "div.Scalar": lambda x, y, z, h: aten.div.Scalar(x, h),
+    "add": lambda x, y, z, h: aten.add.Tensor(x, h),
+    "sub.Scalar": lambda x, y, z, h: aten.sub.Scalar(x, h),
+    "add alpha": lambda x, y, z, h: aten.add.Tensor(x, y, alpha=-h),
+    "pow.Scalar": lambda x, y, z, h: aten.pow.Scalar(h, aten.abs.default(y)),
+    "pow.Tensor_Scalar": lambda x, y, z, h: aten.pow.Tensor_Scalar(aten.abs.default(x), h * 3),
+    "lerp": lambda x, y, z, h: aten.lerp.Scalar(x, y, h),
+    "addcdiv": lambda x, y, z, h: aten.addcdiv.default(x, y, z, value=h),
+    "addcmul": lambda x, y, z, h: aten.addcmul.default(x, y, z, value=h),
+    "_foreach_mul": lambda x, y, z, h: aten._foreach_mul.Scalar([x, y], h)[1],
+    "_foreach_div": lambda x, y, z, h: aten._foreach_div.Scalar([x, y], h)[0],
+    "_foreach_add": lambda x, y, z, h: aten._foreach_add.Scalar([x], h)[0],
+    "_foreach_sub": lambda x, y, z, h: aten._foreach_sub.Scalar([x], h)[0],
+    "_foreach_lerp": lambda x, y, z, h: aten._foreach_lerp.Scalar([x], [y], h)[0],
+    "_foreach_addcdiv": lambda x, y, z, h: aten._foreach_addcdiv.Scalar([x], [y], [z], h)[0],
+    "_foreach_add.List": lambda x, y, z, h: aten._foreach_add.List([x], [y], alpha=h)[0],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("form", sorted(_HALF_FORMS))
+def test_16_bit_operands_compute_as_eager_does(form, dtype):
+    # A 16-bit op computes in float32. mul/div/lerp/addcmul take a Scalar unrounded (a 0-d bf16 tensor
+    # would round AdamW's beta1 0.9 to 0.8984); add/sub/pow and every alpha round it to 16 bits first.
+    # Before, such uses kept the value a constant and Inductor compiled again for every new LR.
     from spmd_expand.tensorify import tensorify_float_inputs
 
-    gm = _traced(lambda x, beta: torch.ops.aten.mul.Tensor(x, beta), torch.randn(3, dtype=torch.bfloat16), 0.9)
-    refused = tensorify_float_inputs(gm, [1])
-    assert refused is not None and refused.target is torch.ops.aten.mul.Tensor
+    fn = _HALF_FORMS[form]
+    torch.manual_seed(0)
+    x, y, z = (torch.rand(256).add(0.05).to(dtype) for _ in range(3))
+    gm = _traced(lambda x, y, z, h: [fn(x, y, z, h)], x, y, z, 0.9)
+    assert tensorify_float_inputs(gm, [3]) is None
+    for h in (0.9, 0.37):
+        expected = fn(x, y, z, h)
+        got = gm(x, y, z, torch.tensor(h, dtype=torch.float64))[0]
+        assert got.dtype == dtype
+        assert torch.equal(got, expected), (got - expected).abs().max()

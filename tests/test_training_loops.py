@@ -23,7 +23,7 @@ TP = CLIP + ["cosine", "train_eval", "muon_fp32"]
 TWO_D = ["clip_grad_norm", "grads_through_module"]
 # Under the default lowering: Inductor would compile float hyperparameters in as constants
 # (spmd_expand/tensorify.py); every one of these changes one between calls.
-INDUCTOR = ["lr_set_directly_sgd", "step_lr", "one_cycle_adam_foreach", "betas_weight_decay_eps", "momentum", "cosine"]
+INDUCTOR = ["lr_set_directly_sgd", "step_lr", "one_cycle_adam_foreach", "betas_weight_decay_eps", "momentum", "cosine", "bf16_adamw_cosine"]
 INDUCTOR_FSDP = ["step_lr", "one_cycle_sgd"]
 
 # Compilations per loop: AdamW's lazy state is created before tracing, so a loop compiles once even
@@ -54,11 +54,17 @@ def results():
     return get
 
 
-def _close(actual, expected, what):
-    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+# bfloat16 parameters and states: gradients summed over ranks in another order round differently
+# (one or two bf16 ulps, ~4e-3 at 0.5). A stale learning rate in "bf16_adamw_cosine" is off by ~2e-2.
+BF16_TOLERANCE = {"bf16_adamw_cosine": (2e-2, 5e-3)}
 
 
 def check(per_rank: list[dict], name: str) -> dict:
+    rtol, atol = BF16_TOLERANCE.get(name, (RTOL, ATOL))
+
+    def _close(actual, expected, what):
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
     for rank, res in enumerate(per_rank):
         r = res[name]
         assert "error" not in r, f"rank {rank} failed:\n{r['error']}"
