@@ -26,6 +26,46 @@ LOWERINGS = ("inductor", "eager")
 
 
 _OUR_COMM_PASSES = frozenset({"bucketing", "overlap"})
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+def _keep_issue_order_pass(chained: Any) -> Any:
+    """An Inductor post-grad pass (``config.post_grad_custom_post_pass``) that keeps each collective
+    issued where the ``overlap`` pass put it.
+
+    Inductor's scheduler fuses kernels that read the same buffers and places a fused kernel where its
+    last part had to be: the loss denominator (the count of targets not ignored, which ``overlap``
+    issues at the top of the graph) was fused into the loss kernel at the end of the forward, so its
+    all-reduce was issued after the forward after all. Each collective start is made an ordering
+    dependency of the first compute node after it, with torch's own ``control_deps`` mechanism
+    (``torch._inductor.fx_passes.control_dependencies.preserve_node_ordering``, what Inductor uses to
+    keep random ops in program order); a fusion across it would be a cycle, so Inductor leaves it.
+    ``chained``: a post-grad pass the user configured, run afterwards.
+    """
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+    from torch._inductor.fx_passes.control_dependencies import control_deps, preserve_node_ordering
+    from torch.utils._ordered_set import OrderedSet
+
+    class KeepCollectiveIssueOrder(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            deps: dict = {}
+            for start in [n for n in graph.nodes if n.op == "call_function" and n.target in COLLECTIVES]:
+                node = start.next
+                while node.op == "call_function" and (
+                    node.target in COLLECTIVES or node.target is _WAIT or node.target is control_deps
+                    or not isinstance(node.target, torch._ops.OpOverload)
+                ):
+                    node = node.next
+                if node.op == "call_function" and start not in node.all_input_nodes:
+                    deps.setdefault(node, OrderedSet()).add(start)
+            preserve_node_ordering(graph, deps)
+            if chained is not None:
+                chained(graph)
+
+        def uuid(self) -> Any:
+            return (get_hash_for_files((__file__,)), chained.uuid() if chained is not None else None)
+
+    return KeepCollectiveIssueOrder()
 
 
 def lower(
@@ -254,6 +294,8 @@ def _lower(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], mode: str
         patches: dict = {}
         if any(draws_random(n) for n in gm.graph.nodes):
             patches["fallback_random"] = True
+        if "overlap" in ran_passes:
+            patches["post_grad_custom_post_pass"] = _keep_issue_order_pass(inductor_config.post_grad_custom_post_pass)
         if _OUR_COMM_PASSES & set(ran_passes):
             patches.update(
                 {

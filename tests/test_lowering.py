@@ -149,3 +149,39 @@ def test_16_bit_operands_compute_as_eager_does(form, dtype):
         got = gm(x, y, z, torch.tensor(h, dtype=torch.float64))[0]
         assert got.dtype == dtype
         assert torch.equal(got, expected), (got - expected).abs().max()
+
+
+def _denominator_step(group: str):
+    """The loss denominator as ``overlap`` orders it: the count of targets and its all-reduce first,
+    then the forward (a matmul) and a loss that reads the same targets, then the wait."""
+    c10d = torch.ops._c10d_functional
+
+    def step(x, target):
+        count = aten._to_copy.default(aten.sum.default(aten.ne.Scalar(target, -100)), dtype=torch.float32)
+        reduced = c10d.all_reduce.default(count, "sum", group)
+        rows = aten.sum.dim_IntList(aten.mm.default(x, x), [1])
+        total = aten.sum.default(aten.mul.Tensor(rows, aten._to_copy.default(target, dtype=torch.float32)))
+        return [aten.div.Tensor(total, c10d.wait_tensor.default(reduced))]
+
+    return step
+
+
+@pytest.mark.parametrize("ran_overlap", [True, False])
+def test_inductor_issues_a_collective_where_overlap_put_it(fake_mesh, ran_overlap):
+    # Inductor fuses the count into the loss kernel (both read the targets) and places the fused
+    # kernel after the matmul: the all-reduce overlap issued first went out after the forward. With
+    # the overlap pass run, lowering keeps the issue order (torch's control_deps).
+    from torch._inductor.utils import run_and_get_code
+
+    from spmd_expand.lower import lower
+
+    step = _denominator_step(fake_mesh.get_group().group_name)
+    x, target = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    gm = _traced(step, x, target)
+    ran = frozenset({"bucketing", "overlap"} if ran_overlap else {"bucketing"})
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        (result,), (code, *_) = run_and_get_code(lambda: lower(gm, [x, target], "inductor", ran_passes=ran)(x, target))
+    torch.testing.assert_close(result, step(x, target)[0])
+    body = code[code.index("def call(") :]
+    issued_first = body.index("all_reduce_") < body.index("extern_kernels.mm")
+    assert issued_first == ran_overlap
