@@ -43,18 +43,24 @@ def _keep_issue_order_pass(chained: Any) -> Any:
     ``chained``: a post-grad pass the user configured, run afterwards.
     """
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-    from torch._inductor.fx_passes.control_dependencies import control_deps, preserve_node_ordering
+    from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
     from torch.utils._ordered_set import OrderedSet
+
+    def _computes(node: fx.Node) -> bool:
+        """A functional ATen op that makes a kernel: not a collective, a wait, a view, an in-place op
+        or an ordering node."""
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload) or target in COLLECTIVES or target is _WAIT:
+            return False
+        returns = target._schema.returns
+        return not target._schema.is_mutable and not (returns and returns[0].alias_info is not None)
 
     class KeepCollectiveIssueOrder(CustomGraphPass):
         def __call__(self, graph: fx.Graph) -> None:
             deps: dict = {}
             for start in [n for n in graph.nodes if n.op == "call_function" and n.target in COLLECTIVES]:
                 node = start.next
-                while node.op == "call_function" and (
-                    node.target in COLLECTIVES or node.target is _WAIT or node.target is control_deps
-                    or not isinstance(node.target, torch._ops.OpOverload)
-                ):
+                while node.op == "call_function" and not _computes(node):
                     node = node.next
                 if node.op == "call_function" and start not in node.all_input_nodes:
                     deps.setdefault(node, OrderedSet()).add(start)
