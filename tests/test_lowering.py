@@ -166,22 +166,27 @@ def _denominator_step(group: str):
     return step
 
 
-@pytest.mark.parametrize("ran_overlap", [True, False])
-def test_inductor_issues_a_collective_where_overlap_put_it(fake_mesh, ran_overlap):
+@pytest.mark.parametrize("keep_order", [True, False])
+def test_inductor_issues_a_collective_where_overlap_put_it(fake_mesh, keep_order):
     # Inductor fuses the count into the loss kernel (both read the targets) and places the fused
-    # kernel after the matmul: the all-reduce overlap issued first went out after the forward. With
-    # the overlap pass run, lowering keeps the issue order (torch's control_deps).
+    # kernel after the matmul: the all-reduce overlap issued first goes out after the forward. The
+    # post-grad pass lowering installs on accelerators keeps the issue order (torch's control_deps);
+    # on CPU ranks (gloo needs a core the compute uses) lowering leaves Inductor's order.
     from torch._inductor.utils import run_and_get_code
 
-    from spmd_expand.lower import lower
+    from spmd_expand.lower import _keep_issue_order_pass, lower
 
     step = _denominator_step(fake_mesh.get_group().group_name)
     x, target = torch.randn(8, 8), torch.randint(0, 4, (8,))
     gm = _traced(step, x, target)
-    ran = frozenset({"bucketing", "overlap"} if ran_overlap else {"bucketing"})
-    with torch._inductor.config.patch(fx_graph_cache=False):
-        (result,), (code, *_) = run_and_get_code(lambda: lower(gm, [x, target], "inductor", ran_passes=ran)(x, target))
+    patches = {"fx_graph_cache": False}
+    if keep_order:
+        patches["post_grad_custom_post_pass"] = _keep_issue_order_pass(None)
+    with torch._inductor.config.patch(patches):
+        (result,), (code, *_) = run_and_get_code(
+            lambda: lower(gm, [x, target], "inductor", ran_passes=frozenset({"bucketing", "overlap"}))(x, target)
+        )
     torch.testing.assert_close(result, step(x, target)[0])
     body = code[code.index("def call(") :]
     issued_first = body.index("all_reduce_") < body.index("extern_kernels.mm")
-    assert issued_first == ran_overlap
+    assert issued_first == keep_order
