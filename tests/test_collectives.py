@@ -76,7 +76,12 @@ def gradient_reductions(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def is_nll_total_weight(node: fx.Node) -> bool:
+    """An all-reduce of nll_loss's total weight: its second output, or (mean reduction without class
+    weights, ``trace._nll_loss_mean_as_sum``) the count of targets not ignored, taken from the targets."""
     src = node.args[0]
+    if src.op == "call_function" and src.target is aten._to_copy.default:
+        count = src.args[0]
+        return count.target is aten.sum.default and count.args[0].target is aten.ne.Scalar
     return (
         src.op == "call_function"
         and src.target is operator.getitem
