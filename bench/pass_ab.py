@@ -6,7 +6,8 @@ same ``spmd.compile`` step twice on 2 local gloo ranks (demo GPT, AdamW foreach,
 two pipelines ``--a`` and ``--b`` (``"default"``, ``"none"`` or pass names separated by commas), then
 runs ``--rounds`` rounds of one step of each, alternating, after a barrier each. Prints one JSON
 object: per rank the median, p10 and p90 milliseconds of each and the ratio of the medians b / a.
-Repeat a run before trusting a difference: each rank's ratio should agree in sign and size.
+Repeat a run before trusting a difference: on a 2-core machine repeated runs of one A/B differ by up
+to 10% (horizontal_fusion off vs on, FSDP: 0.95, 1.10, 0.98); both ranks agree within a run.
 
 Example (was the horizontal fusion worth it on this machine?):
 ``python bench/pass_ab.py --plan ddp --a default --b regather_for_backward,bucketing,overlap``

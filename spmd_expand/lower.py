@@ -46,7 +46,7 @@ def _keep_issue_order_pass(chained: Any) -> Any:
     compute kernels (NCCL). On CPU ranks gloo's communication needs a core the compute also uses, so an
     early issue hides nothing: on the demo GPT's DDP step (2 gloo ranks, 2 cores) the pass measured
     1.3-1.5% slower in two A/B runs (11.8 vs 11.6 ms, 150 interleaved rounds), within the spread of such
-    A/B runs on that machine (``bench/pass_ab.py``: 3-5%), and no faster.
+    A/B runs on that machine (``bench/pass_ab.py``: up to 10%), and no faster.
     """
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
     from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
