@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .errors import SpmdError
 from .graph_stats import COLLECTIVES
 from .passes.manager import copy_graph_module
+from .passes.overlap import WAIT
 from .rng import draws_random
 from .tensorify import tensorify_float_inputs
 from .watch import watch_collectives
@@ -26,7 +27,6 @@ LOWERINGS = ("inductor", "eager")
 
 
 _OUR_COMM_PASSES = frozenset({"bucketing", "overlap"})
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 def _keep_issue_order_pass(chained: Any) -> Any:
@@ -56,7 +56,7 @@ def _keep_issue_order_pass(chained: Any) -> Any:
         """A functional ATen op that makes a kernel: not a collective, a wait, a view, an in-place op
         or an ordering node."""
         target = node.target
-        if not isinstance(target, torch._ops.OpOverload) or target in COLLECTIVES or target is _WAIT:
+        if not isinstance(target, torch._ops.OpOverload) or target in COLLECTIVES or target is WAIT:
             return False
         returns = target._schema.returns
         return not target._schema.is_mutable and not (returns and returns[0].alias_info is not None)

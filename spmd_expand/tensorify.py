@@ -205,10 +205,9 @@ class _Rewrite:
 
     def down(self, result: fx.Node, like: fx.Node) -> fx.Node:
         """``result`` rounded once to the dtype of the node it replaces, when that has 16 bits."""
-        dtype = like.meta["val"].dtype if isinstance(like.meta.get("val"), torch.Tensor) else None
-        if dtype not in _HALF:
+        if not _is_half(like):
             return result
-        return self.call(aten._to_copy.default, result, dtype=dtype)
+        return self.call(aten._to_copy.default, result, dtype=like.meta["val"].dtype)
 
     def __call__(self, node: fx.Node) -> None:
         target, args, kwargs = node.target, node.args, node.kwargs

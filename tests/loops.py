@@ -556,14 +556,14 @@ SCENARIOS: dict[str, dict] = {
     "buffer_assigned": dict(model_fn=RunningMean),
     "adam_single_tensor_deep": dict(model_fn=_deep_mlp, optimizer_fn=lambda ps: torch.optim.Adam(ps, lr=1e-2), steps=5),
     "adam_foreach_deep": dict(model_fn=_deep_mlp, optimizer_fn=lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True), steps=5),
-    # torch's Muon (momentum, then the gradient orthogonalized by Newton-Schulz matmuls over the whole
-    # matrix: under FSDP and TP the sharded gradient is gathered for them), with an LR schedule.
     # Parameters and optimizer states in bfloat16, the LR changed every step by a scheduler.
     "bf16_adamw_cosine": dict(
         model_fn=PureBf16,
         optimizer_fn=lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
         between=scheduler(lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=3)),
     ),
+    # torch's Muon (momentum, then the gradient orthogonalized by Newton-Schulz matmuls over the whole
+    # matrix: under FSDP and TP the sharded gradient is gathered for them), with an LR schedule.
     "muon": dict(
         optimizer_fn=lambda ps: torch.optim.Muon(_matrices(ps), lr=0.02, momentum=0.9), between=set_lr
     ),
