@@ -4,7 +4,7 @@
 name                        stage   what it does
 ==========================  ======  ==============================================================
 ``regather_for_backward``   global  FSDP ``reshard_after_forward``: parameters gathered again per
-                                    region (:mod:`.regather`)
+                                    region (blocks' by default; :mod:`.regather`)
 ``horizontal_fusion``       global  the optimizer's per-parameter 0-d arithmetic (bias corrections,
                                     step sizes) as ops over one vector (:mod:`.horizontal_fusion`)
 ``bucketing``               local   gradient all-reduces in DDP-sized buckets (the returned loss's

@@ -16,7 +16,10 @@ Policy (the eager tools it follows):
   (forward, or each backward), as FSDP2 issues one all-gather and one reduce-scatter per
   ``fully_shard`` module. A block is the parameter FQN up to its first numeric component
   (``layers.3.attn.q.weight`` -> ``layers.3``: one element of an ``nn.ModuleList``/``Sequential``);
-  parameters outside such lists (embeddings, final norm, head) form the root block.
+  parameters outside such lists (embeddings, final norm, head) form the root block. A block's members
+  go together however far apart they are used (the root block's final norm and head with its
+  embeddings, gathered at the start; their gradients reduced together at the end of backward), as
+  FSDP2 gathers a module's parameters at its pre-forward and reduces them at its post-backward.
 * **Results only the caller reads** (the returned loss's all-reduce: a ``Partial`` sum made
   ``Replicate`` for the caller): in a whole-step graph such an all-reduce joins the last gradient
   all-reduce bucket of its process group, reduce op and dtype instead of blocking on its own after
@@ -34,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import re
 import types
 from dataclasses import dataclass
 from unittest import mock
@@ -47,6 +49,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from ..errors import PassError
 from ..graph_stats import COLLECTIVES
+from ..plans import block_of
 from ..trace import backward_index
 from .manager import SpmdPass
 
@@ -63,22 +66,10 @@ _MERGE = {
 # Starts torch's merge functions take (a bucket already merged is an all_gather_into_tensor_out).
 _MERGEABLE = {c10d.all_reduce.default, c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default}
 
-_INDEX = re.compile(r"^\d+$")
-
-
 def collective_kind(node: fx.Node) -> Optional[str]:
     """The kind of a collective start (``"all_reduce"``, ``"all_gather"``, ...; see
     :data:`spmd_expand.graph_stats.COLLECTIVES`), or None for any other node."""
     return COLLECTIVES.get(node.target) if node.op == "call_function" else None
-
-
-def block_of(fqn: str) -> str:
-    """The FQN prefix up to and including its first numeric component, or ``""`` (the root block)."""
-    parts = fqn.split(".")
-    for i, part in enumerate(parts[:-1]):
-        if _INDEX.match(part):
-            return ".".join(parts[: i + 1])
-    return ""
 
 
 @dataclass(frozen=True)
@@ -141,7 +132,7 @@ class BucketCollectives(SpmdPass):
         split = _is_split(gm)
         for kind, nodes in buckets:
             gradients = [n for n in nodes if n.meta.get("fqn") is not None]
-            if split:
+            if split or kind == "all_gather":
                 where = _placement(gm.graph, nodes)
             elif gradients:
                 # Where the last gradient member was: a deferred result's all-reduce may sit after
@@ -198,7 +189,19 @@ class BucketCollectives(SpmdPass):
         return result
 
     def _split(self, kind: str, found: list[_Candidate]) -> list[list[fx.Node]]:
-        """Consecutive candidates of one key, cut at the caps (all-reduce) and at dependencies."""
+        """Buckets of candidates of one key, cut at dependencies.
+
+        All-reduces: consecutive candidates (in the order gradients are produced), cut at the caps, as
+        DDP fills its buckets. All-gathers and reduce-scatters: every candidate of a key (a block in a
+        region) together, however far apart their uses are, as FSDP2 gathers a module's parameters
+        at its pre-forward and reduces its gradients at its post-backward: the root block's final
+        norm and head are gathered with its embeddings, and their gradients reduced with them.
+        """
+        if kind != "all_reduce":
+            by_key: dict[tuple, list[_Candidate]] = {}
+            for c in found:
+                by_key.setdefault(c.key, []).append(c)
+            found = [c for members in by_key.values() for c in members]
         buckets: list[list[fx.Node]] = []
         current: list[fx.Node] = []
         key, size, descendants, started = None, 0, set(), 0
@@ -286,20 +289,31 @@ def _only_returned(node: fx.Node) -> bool:
 
 
 def _placement(graph: fx.Graph, nodes: list[fx.Node]) -> dict:
-    """Where the merged collective of a split forward or backward graph goes.
+    """Where a merged all-gather (or any bucket of a split forward or backward graph) goes.
 
-    torch's default is where the last member was, after which it sorts the region in between. In the
-    backward graph split from a joint graph, whose re-gathered parameters' uses interleave with the
-    gathers, that sort leaves a use before the bucket's output; the bucket then goes where its first
-    member was, which every member's input precedes (buckets are cut at dependencies).
+    torch's default is where the last member was, after which it sorts the region in between. When a
+    member's result is used before the last member (the root block's embeddings, gathered with its
+    final norm and head; in the backward graph split from a joint graph, re-gathered parameters whose
+    uses interleave with the gathers), that sort can leave a use before the bucket's output; the
+    bucket then goes where its first member was, which every member's input precedes (a parameter,
+    or the parameter under the dtype cast torch's merge takes into the bucket; buckets are cut at
+    dependencies).
     """
     order = {n: i for i, n in enumerate(graph.nodes)}
     last = max(order[n] for n in nodes)
     used_early = any(order[u] < last for n in nodes for u in _wait_of(n).users)
     first = min(nodes, key=order.__getitem__)
-    if used_early and all(order[a] < order[first] for n in nodes for a in n.all_input_nodes):
+    if used_early and all(order[a] < order[first] for n in nodes for a in _bucket_inputs(n)):
         return {"insert_before": first}
     return {}
+
+
+def _bucket_inputs(node: fx.Node) -> list[fx.Node]:
+    """The nodes a collective's bucket reads for it: its inputs, or those of the dtype cast before an
+    all-gather, which torch's merge moves into the bucket."""
+    if inductor_bucketing.has_mergeable_all_gather_convert_dtype(node):
+        return node.args[0].all_input_nodes
+    return node.all_input_nodes
 
 
 def _add_descendants(node: fx.Node, seen: set[fx.Node]) -> None:

@@ -10,6 +10,8 @@ one all-gather per region.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
 
@@ -21,16 +23,18 @@ from .manager import SpmdPass
 __all__ = ["RegatherForBackward", "regather_for_backward"]
 
 
-def regather_for_backward(gm: fx.GraphModule) -> int:
+def regather_for_backward(gm: fx.GraphModule, reshards: Callable[[str], bool] = lambda fqn: True) -> int:
     """Give each region after the first its own ``unshard`` of every parameter it reads.
 
-    Returns the number of ``unshard`` markers added. Idempotent: a second run adds none.
+    ``reshards(fqn)`` picks the parameters (by FQN) this applies to; the others keep the gathered
+    copy of their first region. Returns the number of ``unshard`` markers added. Idempotent: a second
+    run adds none.
     """
     graph = gm.graph
     region_of = regions(graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
     added = 0
-    for marker in [n for n in graph.nodes if n.target is UNSHARD]:
+    for marker in [n for n in graph.nodes if n.target is UNSHARD and reshards(n.args[1])]:
         closure = [marker]
         for node in closure:  # grows while iterating: the marker's view chain, in graph order
             closure.extend(u for u in node.users if u.target in VIEW_OPS and u.args[0] is node)
@@ -68,8 +72,10 @@ def regather_for_backward(gm: fx.GraphModule) -> int:
 
 
 class RegatherForBackward(SpmdPass):
-    """Global pass: re-gather parameters per region when the plan reshards after forward (FSDP's
-    default); a no-op for plans that keep gathered parameters (DDP, TP, ``reshard_after_forward=False``).
+    """Global pass: re-gather the parameters the plan reshards after forward
+    (:meth:`~spmd_expand.plans.ResolvedPlan.reshards_after_forward`: FSDP's blocks by default, not its
+    root block); a no-op for plans that keep gathered parameters (DDP, TP,
+    ``reshard_after_forward=False``).
 
     Requires ``unshard`` markers (the tracer puts one where the module first reads each parameter).
     Ensures no parameter's gathered value (or a view of it) is used outside the region of its marker.
@@ -79,16 +85,13 @@ class RegatherForBackward(SpmdPass):
     stage = "global"
 
     def call(self, gm: fx.GraphModule) -> PassResult:
-        if not self.context(gm).plan.reshard_after_forward:
-            return PassResult(gm, False)
-        return PassResult(gm, regather_for_backward(gm) > 0)
+        return PassResult(gm, regather_for_backward(gm, self.context(gm).plan.reshards_after_forward) > 0)
 
     def ensures(self, gm: fx.GraphModule) -> None:
-        if not self.context(gm).plan.reshard_after_forward:
-            return
+        reshards = self.context(gm).plan.reshards_after_forward
         region_of = regions(gm.graph)
         for marker in gm.graph.nodes:
-            if marker.target is not UNSHARD:
+            if marker.target is not UNSHARD or not reshards(marker.args[1]):
                 continue
             closure = [marker]
             for node in closure:

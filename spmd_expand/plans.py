@@ -9,6 +9,7 @@ all later stages see.
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Union
 
@@ -32,7 +33,25 @@ __all__ = [
     "MixedPrecision",
     "resolve_plan",
     "fqn_matches",
+    "block_of",
 ]
+
+_INDEX = re.compile(r"^\d+$")
+
+
+def block_of(fqn: str) -> str:
+    """The block a parameter belongs to: its FQN up to and including the first numeric component
+    (``layers.3.attn.q.weight`` -> ``layers.3``: one element of an ``nn.ModuleList``/``Sequential``),
+    or ``""``, the root block, for parameters outside such lists (embeddings, final norm, head).
+
+    The unit FSDP2 users wrap with ``fully_shard`` (each transformer block, then the root): FSDP's
+    buckets (:mod:`spmd_expand.passes.bucketing`) and its ``reshard_after_forward`` default follow it.
+    """
+    parts = fqn.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if _INDEX.match(part):
+            return ".".join(parts[: i + 1])
+    return ""
 
 
 class ParallelStyle:
@@ -52,8 +71,10 @@ class ParallelStyle:
         """False for parameters whose gradients stay rank-local (e.g. DDP's ignored modules)."""
         return True
 
-    # Whether gathered parameters are freed after forward and gathered again for backward.
-    reshard_after_forward: bool = False
+    def reshards_after_forward(self, fqn: str) -> bool:
+        """Whether parameter ``fqn``, gathered for forward, is freed after it and gathered again for
+        backward (FSDP's ``reshard_after_forward``); False: the gathered copy is kept."""
+        return False
 
     def mixed_precision(self, fqn: str) -> Optional[MixedPrecisionPolicy]:
         """The mixed-precision policy parameter ``fqn`` is read and reduced with; None: its own dtype."""
@@ -168,8 +189,14 @@ class FSDP(_DataParallel):
 
     Args:
         batch_dim: dim of every batch tensor that is split across ranks.
-        reshard_after_forward: free the gathered parameters after forward and all-gather them again
-            for backward (less memory, one more all-gather per parameter); ``False`` keeps them.
+        reshard_after_forward: ``fully_shard``'s option, with its default. ``True``: free the gathered
+            parameters after forward and all-gather them again for backward (less memory, one more
+            all-gather per parameter); ``False``: keep them. ``None`` (default): ``True`` for the
+            parameters of blocks (:func:`block_of`: an element of an ``nn.ModuleList``/``Sequential``)
+            and ``False`` for the root block's (embeddings, final norm, head), as FSDP2 does for its
+            root module, "since for training, the parameters would be freed and all-gathered
+            immediately" (``torch.distributed.fsdp._fully_shard._fsdp_state``): backward starts
+            with them. A model without such lists is all root block: nothing is re-gathered.
         ignored_modules: modules (objects or FQNs) whose parameters are not sharded: they stay
             replicated and their gradients rank-local, as FSDP's ``ignored_params``.
         mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy`` with ``fully_shard``'s semantics:
@@ -197,7 +224,7 @@ class FSDP(_DataParallel):
     """
 
     batch_dim: int = 0
-    reshard_after_forward: bool = True
+    reshard_after_forward: Optional[bool] = None
     ignored_modules: tuple = ()
     mp_policy: Optional[MixedPrecisionPolicy] = None
     modules: Optional[Union[str, Iterable[str]]] = None
@@ -232,6 +259,11 @@ class FSDP(_DataParallel):
 
     def compute_placement(self, fqn: str, param: torch.Tensor) -> Placement:
         return Replicate()
+
+    def reshards_after_forward(self, fqn: str) -> bool:
+        if self.reshard_after_forward is None:
+            return block_of(fqn) != ""
+        return bool(self.reshard_after_forward)
 
 
 def fqn_matches(pattern: str, fqn: str) -> bool:
@@ -445,9 +477,10 @@ class ResolvedPlan:
     def compute_placements(self, fqn: str, param: torch.Tensor) -> tuple[Placement, ...]:
         return tuple(s.compute_placement(fqn, param) for s in self.styles)
 
-    @property
-    def reshard_after_forward(self) -> bool:
-        return any(s.reshard_after_forward for s in self.styles)
+    def reshards_after_forward(self, fqn: str) -> bool:
+        """Whether any mesh dim's style frees parameter ``fqn`` after forward (see
+        :meth:`ParallelStyle.reshards_after_forward`)."""
+        return any(s.reshards_after_forward(fqn) for s in self.styles)
 
     def mixed_precision(self, model: nn.Module) -> Optional[MixedPrecision]:
         """The casts the styles' ``mp_policy`` asks for on ``model``'s parameters; None without a policy.

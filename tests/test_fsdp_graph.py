@@ -49,12 +49,40 @@ def reduce_scattered(step) -> list[tuple]:
 
 
 def test_reshard_after_forward_gathers_in_forward_and_again_in_backward(fake_mesh):
-    step, _, _ = compiled(fake_mesh, spmd.FSDP())
+    step, _, _ = compiled(fake_mesh, spmd.FSDP(reshard_after_forward=True))
     # Forward reads every parameter once; backward needs only fc2.weight (the input grad of fc2).
     gathers = gathers_by_role(step)
     assert gathers["param"] == sorted(list(PARAMS.values()) + [(4, 32)])
     assert gathers["computed"] == [] and gathers["batch"] == []  # no activation or gradient gathered
     assert reduce_scattered(step) == sorted(PARAMS.values())
+
+
+class Blocks(torch.nn.Module):
+    """Root-block parameters (``embed``, ``head``) around a ``ModuleList`` of two blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(16, 32)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(32, 32) for _ in range(2)])
+        self.head = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
+def test_default_keeps_the_root_block_gathered_for_backward(fake_mesh):
+    """``reshard_after_forward=None`` (the default) is ``fully_shard``'s: blocks are re-gathered for
+    backward, the root block (embeddings, head) is not: FSDP2 keeps its root module's parameters,
+    which backward needs first."""
+    plans = {"default": spmd.FSDP(), "all": spmd.FSDP(reshard_after_forward=True)}
+    gathers = {k: gathers_by_role(compiled(fake_mesh, plan, model=Blocks())[0])["param"] for k, plan in plans.items()}
+    once = sorted([(32, 16), (32,), (32, 32), (32,), (32, 32), (32,), (4, 32), (4,)])
+    # Backward reads the blocks' weights and the head's weight (input gradients); not the embedding's.
+    assert gathers["default"] == sorted(once + [(32, 32), (32, 32)])
+    assert gathers["all"] == sorted(once + [(32, 32), (32, 32), (4, 32)])
 
 
 def test_no_reshard_gathers_each_parameter_once(fake_mesh):

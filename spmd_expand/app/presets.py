@@ -41,7 +41,7 @@ def _tp(model: nn.Module) -> TensorParallel:
 
 PRESETS: dict[str, Preset] = {
     "ddp": Preset(("dp",), lambda m: DDP(), "DDP: parameters replicated, gradients all-reduced"),
-    "fsdp": Preset(("dp",), lambda m: FSDP(), "FSDP: parameters Shard(0), gathered again for backward"),
+    "fsdp": Preset(("dp",), lambda m: FSDP(), "FSDP: parameters Shard(0), blocks gathered again for backward"),
     "fsdp-keep": Preset(
         ("dp",), lambda m: FSDP(reshard_after_forward=False), "FSDP keeping gathered parameters for backward"
     ),
