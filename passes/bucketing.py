@@ -48,9 +48,9 @@ from torch._inductor.fx_passes import bucketing as inductor_bucketing
 from torch.fx.passes.infra.pass_base import PassResult
 
 from ..errors import PassError
-from ..graph_stats import COLLECTIVES
 from ..plans import block_of
 from ..trace import backward_index
+from .feeders import collective_kind, feeders, lays_out
 from .manager import SpmdPass
 
 __all__ = ["BucketCollectives", "block_of", "collective_kind"]
@@ -65,12 +65,6 @@ _MERGE = {
 
 # Starts torch's merge functions take (a bucket already merged is an all_gather_into_tensor_out).
 _MERGEABLE = {c10d.all_reduce.default, c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default}
-
-def collective_kind(node: fx.Node) -> Optional[str]:
-    """The kind of a collective start (``"all_reduce"``, ``"all_gather"``, ...; see
-    :data:`spmd_expand.graph_stats.COLLECTIVES`), or None for any other node."""
-    return COLLECTIVES.get(node.target) if node.op == "call_function" else None
-
 
 @dataclass(frozen=True)
 class _Candidate:
@@ -295,23 +289,51 @@ def _placement(graph: fx.Graph, nodes: list[fx.Node]) -> dict:
     member's result is used before the last member (the root block's embeddings, gathered with its
     final norm and head; in the backward graph split from a joint graph, re-gathered parameters whose
     uses interleave with the gathers), that sort can leave a use before the bucket's output; the
-    bucket then goes where its first member was, which every member's input precedes (a parameter,
-    or the parameter under the dtype cast torch's merge takes into the bucket; buckets are cut at
-    dependencies).
+    bucket then goes where its first member was, with the nodes that exist only to feed its members
+    (:func:`~.feeders.feeders`) moved there, when everything else they read comes before it (a
+    parameter, or the parameter under the dtype cast torch's merge takes into the bucket; buckets
+    are cut at dependencies).
+
+    The decision looks through nodes that differ between ranks: expansion pads an unevenly sharded
+    parameter only on the ranks whose shard is short, and narrows a reduce-scatter's result only on
+    those, so a rule that read the padding's position would put the bucket elsewhere on those ranks,
+    and the ranks would issue their collectives in different orders (a mismatch gloo reports as
+    "Received data size doesn't match expected size", or memory corruption).
     """
     order = {n: i for i, n in enumerate(graph.nodes)}
     last = max(order[n] for n in nodes)
-    used_early = any(order[u] < last for n in nodes for u in _wait_of(n).users)
+    used_early = any(order[u] < last for n in nodes for u in _uses(_wait_of(n)))
     first = min(nodes, key=order.__getitem__)
-    if used_early and all(order[a] < order[first] for n in nodes for a in _bucket_inputs(n)):
-        return {"insert_before": first}
-    return {}
+    chains = [f for n in nodes for f in feeders(n) if f is not n]
+    inside = set(chains) | set(nodes)
+    reads = [a for n in inside for a in _bucket_inputs(n) if a not in inside]
+    if not used_early or not all(order[a] < order[first] for a in reads):
+        return {}
+    for node in sorted(chains, key=order.__getitem__):
+        first.prepend(node)
+    return {"insert_before": first}
+
+
+def _uses(node: fx.Node) -> list[fx.Node]:
+    """The nodes that compute with ``node``'s value: its users, looking through views and copies that
+    only lay it out (a narrow of a padded result, present on some ranks only)."""
+    found, stack, seen = [], list(node.users), set()
+    while stack:
+        user = stack.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        if user.op == "call_function" and lays_out(user) and collective_kind(user) is None:
+            stack.extend(user.users)
+        else:
+            found.append(user)
+    return found
 
 
 def _bucket_inputs(node: fx.Node) -> list[fx.Node]:
     """The nodes a collective's bucket reads for it: its inputs, or those of the dtype cast before an
     all-gather, which torch's merge moves into the bucket."""
-    if inductor_bucketing.has_mergeable_all_gather_convert_dtype(node):
+    if collective_kind(node) is not None and inductor_bucketing.has_mergeable_all_gather_convert_dtype(node):
         return node.args[0].all_input_nodes
     return node.all_input_nodes
 

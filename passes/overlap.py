@@ -41,96 +41,22 @@ import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from ..errors import PassError
-from .bucketing import collective_kind
+from .feeders import WAIT, aliases_input, collective_kind, feeders, lays_out, writes_input
 from .manager import SpmdPass
 
 __all__ = ["OverlapCollectives"]
 
-WAIT = torch.ops._c10d_functional.wait_tensor.default
 aten = torch.ops.aten
 
-# Ops that only lay out bytes for a collective (a bucket's flatten/concatenate, a shard's padding):
-# they move with the collective they feed. Compute that only feeds a collective (the last gradient
-# of a bucket) stays where backward put it.
-_LAYOUT_OPS = frozenset(
-    {
-        aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.slice.Tensor,
-        aten.select.int, aten.narrow.default, aten.t.default, aten.permute.default, aten.transpose.int,
-        aten.expand.default, aten.detach.default, aten.alias.default, aten.squeeze.dim,
-        aten.unsqueeze.default, aten.split.Tensor, aten.split_with_sizes.default, aten.cat.default,
-        aten.copy_.default, aten.copy.default, aten.clone.default, aten.contiguous.default,
-        aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default, aten.zeros.default,
-        aten.new_zeros.default, aten.full.default, aten.constant_pad_nd.default, aten._to_copy.default,
-        aten.as_strided.default, aten.flatten.using_ints, aten.chunk.default,
-    }
-)
-
-
-def _lays_out(node: fx.Node) -> bool:
-    target = node.target
-    return target in _LAYOUT_OPS or getattr(target, "namespace", None) == "bucketing"
-
-
-def _aliases_input(node: fx.Node) -> bool:
-    """Whether ``node``'s output is (a view of) a graph input: follows ops whose first return aliases
-    their first argument (views, in-place ops) back to a placeholder."""
-    while node.op == "call_function":
-        schema = getattr(node.target, "_schema", None)
-        if schema is None or not schema.returns or schema.returns[0].alias_info is None or not node.args:
-            return False
-        node = node.args[0]
-        if not isinstance(node, fx.Node):
-            return False
-    return node.op == "placeholder"
-
-
-def _writes_input(node: fx.Node) -> bool:
-    """Whether ``node`` writes in place into a graph input (a parameter or state's ``copy_``)."""
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None or not schema.is_mutable:
-        return False
-    for arg, value in zip(schema.arguments, node.args):
-        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node):
-            if value.op == "placeholder" or _aliases_input(value):
-                return True
-    return any(
-        isinstance(node.kwargs.get(arg.name), fx.Node) and _aliases_input(node.kwargs[arg.name])
-        for arg in schema.arguments
-        if arg.alias_info is not None and arg.alias_info.is_write
-    )
-
-
 def _reads_input(members: list[fx.Node]) -> bool:
-    """Whether a collective (``members``: its start and feeders, :func:`_feeders`) reads a graph input
-    or a view of one, whose bytes an in-place write could change under it."""
+    """Whether a collective (``members``: its start and feeders, :func:`~.feeders.feeders`) reads a
+    graph input or a view of one, whose bytes an in-place write could change under it."""
     inside = set(members)
     return any(
-        arg not in inside and (arg.op == "placeholder" or _aliases_input(arg))
+        arg not in inside and (arg.op == "placeholder" or aliases_input(arg))
         for m in members
         for arg in m.all_input_nodes
     )
-
-
-def _feeders(start: fx.Node) -> list[fx.Node]:
-    """``start`` and the layout nodes that exist only to feed it (all their users are in the set),
-    in graph order."""
-    members = {start}
-    stack = [start]
-    while stack:
-        for arg in stack.pop().all_input_nodes:
-            if (
-                arg not in members
-                and arg.op == "call_function"
-                and _lays_out(arg)
-                and not _writes_input(arg)
-                and collective_kind(arg) is None
-                and arg.target is not WAIT
-                and all(u in members for u in arg.users)
-            ):
-                members.add(arg)
-                stack.append(arg)
-    order = {n: i for i, n in enumerate(start.graph.nodes)}
-    return sorted(members, key=order.__getitem__)
 
 
 def _recomputable(node: fx.Node) -> bool:
@@ -210,8 +136,8 @@ class OverlapCollectives(SpmdPass):
         graph = gm.graph
         moved = 0
         # Wait late: just before the first user (nodes that only issue collectives may stay between).
-        feeders = {n: _feeders(n) for n in graph.nodes if collective_kind(n) is not None}
-        issuing = {m for members in feeders.values() for m in members}
+        fed_by = {n: feeders(n) for n in graph.nodes if collective_kind(n) is not None}
+        issuing = {m for members in fed_by.values() for m in members}
         for wait in [n for n in graph.nodes if n.target is WAIT]:
             users = list(wait.users)
             if not users:
@@ -221,10 +147,10 @@ class OverlapCollectives(SpmdPass):
             # Nor past an in-place write into a graph input, when the collective reads one: it may
             # still be reading its input while it is in flight.
             start = wait.args[0]
-            if _reads_input(feeders[start] if start in feeders else _feeders(start)):
+            if _reads_input(fed_by[start] if start in fed_by else feeders(start)):
                 node = wait.next
                 while node is not first:
-                    if _writes_input(node):
+                    if writes_input(node):
                         first = node
                         break
                     node = node.next
@@ -239,7 +165,7 @@ class OverlapCollectives(SpmdPass):
         previous_gather_wait = None
         for start in starts:
             order = {n: i for i, n in enumerate(graph.nodes)}
-            members = _feeders(start)
+            members = feeders(start)
             members = _input_cone(members) + members
             member_set = set(members)
             anchor = None  # the node the members go right after
@@ -252,7 +178,7 @@ class OverlapCollectives(SpmdPass):
                 for node in graph.nodes:
                     if node is start:
                         break
-                    if _writes_input(node) and (anchor is None or order[node] > order[anchor]):
+                    if writes_input(node) and (anchor is None or order[node] > order[anchor]):
                         anchor = node
             if collective_kind(start) == "all_gather":
                 if previous_gather_wait is not None and (anchor is None or order[previous_gather_wait] > order[anchor]):

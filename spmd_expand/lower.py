@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .errors import SpmdError
 from .graph_stats import COLLECTIVES
 from .passes.manager import copy_graph_module
-from .passes.overlap import WAIT
+from .passes.feeders import WAIT
 from .rng import draws_random
 from .tensorify import tensorify_float_inputs
 from .watch import watch_collectives

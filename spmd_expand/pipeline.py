@@ -38,7 +38,7 @@ from .lower import lower as lower_graph
 from .passes.manager import PassContext, PassRecord, SpmdPass, copy_graph_module, run_passes
 from .plans import ResolvedPlan
 from .propagate import propagate
-from .rank_check import check_ranks_agree, graph_entries
+from .rank_check import check_ranks_agree, collective_entries, graph_entries
 from .trace import TracedStep, trace_step
 
 __all__ = ["Override", "StepArtifacts", "JointArtifacts", "compile_step", "expand_step", "expand_joint", "split_forward_backward", "STAGES"]
@@ -138,7 +138,7 @@ class _Clock:
                 self.start = time.perf_counter()
 
             def __exit__(self, *exc):
-                clock.seconds[name] = time.perf_counter() - self.start
+                clock.seconds[name] = clock.seconds.get(name, 0.0) + time.perf_counter() - self.start
                 return False
 
         return _Timer()
@@ -259,6 +259,9 @@ def expand_step(
         for override in module_override:
             local = override.transform(local)
 
+    with clock.stage("rank_check"):
+        _check_collectives_agree("the collectives of the local graph", [local], mesh, timeout)
+
     return StepArtifacts(traced, local, None, clock.seconds, expanded, records, list(example_inputs))
 
 
@@ -298,7 +301,30 @@ def expand_joint(
         records += backward_records
     step.passes += records
     step.seconds["local_passes"] = time.perf_counter() - start
+    start = time.perf_counter()
+    split = [g for g in (forward, backward) if g is not None]
+    _check_collectives_agree("the collectives of the forward and backward graphs", split, kwargs["mesh"], kwargs.get("timeout"))
+    step.seconds["rank_check"] += time.perf_counter() - start
     return JointArtifacts(step, forward, backward)
+
+
+def _check_collectives_agree(what: str, graphs: Sequence[fx.GraphModule], mesh: DeviceMesh, timeout: Optional[timedelta]) -> None:
+    """Every rank issues the same collectives in the same order (:func:`~spmd_expand.rank_check.collective_entries`).
+
+    Ranks' local graphs may differ (an uneven shard is padded on the ranks whose piece is short), their
+    collectives may not; checked after the passes, before anything runs."""
+    entries: list[str] = []
+    sources: list[str] = []
+    for gm in graphs:
+        e, s = collective_entries(gm)
+        entries += e
+        sources += s
+    check_ranks_agree(
+        what, entries, sources, mesh, timeout,
+        fix="the ranks agreed on the global graph, so this is a bug of spmd_expand's expansion or passes, or a "
+        "local pass of your own (passes=[...]) that depends on the rank; run with passes=[] to tell which, and "
+        "report the two ranks' dumps",
+    )
 
 
 def split_forward_backward(

@@ -10,7 +10,12 @@ checks agreement where a divergence would first matter:
   and buffers — the broadcast of replicated parameters is the first collective;
 * at every compilation, after propagation and before expansion: the global graph, node by node (op,
   arguments and constants, global shapes and dtypes, placements), from which expansion derives the
-  collectives deterministically.
+  collectives deterministically;
+* at every compilation, after the local passes: the collectives of this rank's graph, in the order it
+  issues them (kind, process group, reduce op, input dtype and shape). Ranks' local graphs may differ
+  (an uneven shard is padded on the ranks whose piece is short), but their collectives may not; a
+  difference here is a bug of spmd_expand's expansion or passes, reported instead of a collective
+  mismatch (a hang, an abort inside gloo/NCCL, or memory corruption).
 
 Each check is one digest per rank exchanged through the default process group's store (the first rank
 of the mesh publishes its digest, every rank compares with it; O(W) store operations), so a rank that
@@ -42,7 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .errors import DivergenceError, user_source_line
 
-__all__ = ["timeout", "check_ranks_agree", "graph_entries", "state_entries"]
+__all__ = ["timeout", "check_ranks_agree", "graph_entries", "collective_entries", "state_entries"]
 
 #: Seconds a rank waits for the others at a check; None: the default store's timeout (the
 #: ``timeout`` given to ``init_process_group``).
@@ -79,6 +84,28 @@ def graph_entries(gm: fx.GraphModule) -> tuple[list[str], list[str]]:
     return entries, sources
 
 
+def collective_entries(gm: fx.GraphModule) -> tuple[list[str], list[str]]:
+    """One line per collective of a local graph, in graph order (kind, process group, reduce op,
+    input dtype and shape, and the parameter it moves, if any), and its source line.
+
+    Split sizes of an all-to-all are left out: they may differ by rank (uneven pieces)."""
+    from .graph_stats import COLLECTIVES
+
+    entries, sources = [], []
+    for node in gm.graph.nodes:
+        kind = COLLECTIVES.get(node.target) if node.op == "call_function" else None
+        if kind is None:
+            continue
+        data = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        group = node.args[-1] if kind != "all_to_all" else node.args[3]
+        op = f" {node.args[1]}" if kind in ("all_reduce", "reduce_scatter") else ""
+        value = "" if kind == "all_to_all" or data is None else _describe(data.meta.get("val"))
+        fqn = node.meta.get("fqn")
+        entries.append(f"{kind}{op} group={group} {value}" + (f" ({fqn})" if fqn else ""))
+        sources.append(user_source_line(node))
+    return entries, sources
+
+
 def state_entries(model: nn.Module, placements_of) -> tuple[list[str], list[str]]:
     """One line per parameter (name, global shape, dtype, whether on the meta device, requires_grad,
     ``placements_of(fqn, p)``) and per buffer of ``model``; values are never read."""
@@ -100,13 +127,19 @@ def _enabled(mesh: DeviceMesh) -> bool:
 
 
 def check_ranks_agree(
-    what: str, entries: Sequence[str], sources: Sequence[str], mesh: DeviceMesh, wait_for: Optional[timedelta] = None
+    what: str,
+    entries: Sequence[str],
+    sources: Sequence[str],
+    mesh: DeviceMesh,
+    wait_for: Optional[timedelta] = None,
+    fix: Optional[str] = None,
 ) -> None:
     """Raise on every rank of ``mesh`` unless all of them hold the same ``entries``.
 
     ``what`` names the thing compared ("the global graph of the step"); it is compared too, so it
     must not depend on the rank. ``wait_for`` bounds the wait for the other ranks (the step's
-    ``timeout``); default :data:`timeout`, else the store's timeout.
+    ``timeout``); default :data:`timeout`, else the store's timeout. ``fix``: what the error suggests
+    (default: look for rank-dependent code in the user's program).
 
     Raises:
         DivergenceError: some ranks' entries differ from the mesh's first rank's (names them and the
@@ -158,10 +191,16 @@ def check_ranks_agree(
     differing = sorted(int(r) for r in store.get(prefix + "differ").decode().split())
     other = differing[0]
     theirs = {r: json.loads(store.get(prefix + f"entries/{r}")) for r in (first, other)}
-    raise DivergenceError(_report(what, ranks, differing, first, other, theirs[first], theirs[other]))
+    raise DivergenceError(_report(what, ranks, differing, first, other, theirs[first], theirs[other], fix))
 
 
-def _report(what: str, ranks, differing, first: int, other: int, a, b) -> str:
+_USER_FIX = (
+    "every rank must build the same model and run the same step; look for code that depends on "
+    "the rank (torch.distributed.get_rank(), a rank-dependent size or constant) near the lines above"
+)
+
+
+def _report(what: str, ranks, differing, first: int, other: int, a, b, fix: Optional[str] = None) -> str:
     (entries_a, sources_a), (entries_b, sources_b) = a, b
     index = next((i for i, (x, y) in enumerate(zip(entries_a, entries_b)) if x != y), min(len(entries_a), len(entries_b)))
 
@@ -178,8 +217,7 @@ def _report(what: str, ranks, differing, first: int, other: int, a, b) -> str:
         f"  first difference (line {index + 1}):\n"
         f"    rank {first}: {side(entries_a, sources_a)}\n"
         f"    rank {other}: {side(entries_b, sources_b)}\n"
-        f"  fix: every rank must build the same model and run the same step; look for code that depends on "
-        f"the rank (torch.distributed.get_rank(), a rank-dependent size or constant) near the lines above. "
+        f"  fix: {fix or _USER_FIX}. "
         f"Where the first difference is the check itself, the ranks are at different points: one of them "
         f"failed earlier (see its own error) or compiled more graphs. To see every difference, dump both "
         f"ranks' graphs (spmd-expand dump) and spmd-expand diff them"

@@ -61,6 +61,36 @@ def _compile_run(rank, mesh, plan, model, step) -> dict:
     return {"loss": float(loss)}
 
 
+def _rank_dependent_pass(rank: int):
+    """A local pass that issues one more all-reduce on rank 1 (a pass bug: ranks' collectives differ)."""
+
+    def extra_all_reduce(gm):
+        if rank != 1:
+            return gm
+        first = next(n for n in gm.graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default)
+        with gm.graph.inserting_after(first):
+            again = gm.graph.call_function(first.target, first.args, first.kwargs)
+            again.meta = dict(first.meta)
+        with gm.graph.inserting_after(again):
+            gm.graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (again,))
+        gm.recompile()
+        return gm
+
+    return extra_all_reduce
+
+
+def _pass_run(rank, mesh, plan) -> dict:
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    step = spmd.compile(mesh=mesh, plan=plan, lower="eager", passes=["bucketing", _rank_dependent_pass(rank)])(_step)
+    try:
+        loss = step(model, optimizer, x, y)
+    except spmd.SpmdError as e:
+        return {"error": (type(e).__name__, str(e))}
+    return {"loss": float(loss)}
+
+
 def _backend_run(rank, mesh, plan) -> dict:
     class RankDependent(nn.Module):
         def __init__(self):
@@ -92,6 +122,7 @@ def run_cases(rank: int, world: int) -> dict:
         "extra_matmul": _compile_run(rank, mesh, ddp, _mlp(), _step_with_rank_dependent_code(rank)),
         "scaled_loss": _compile_run(rank, mesh, ddp, _mlp(), _scaled_step(1.0 + rank)),
         "backend": _backend_run(rank, mesh, ddp),
+        "pass": _pass_run(rank, mesh, ddp),
     }
     # Last: rank 1 never reaches the step's checks; rank 0 must give up after the timeout.
     rank_check.timeout = 3.0

@@ -31,7 +31,7 @@ from spmd_expand.passes import (
 from spmd_expand.passes.bucketing import block_of, collective_kind
 from spmd_expand.passes.horizontal_fusion import HorizontalFusion, horizontal_fusion
 from spmd_expand.passes.manager import copy_graph_module
-from spmd_expand.passes.overlap import _feeders
+from spmd_expand.passes.feeders import feeders as _feeders
 from spmd_expand.tools.dump import gpt_job
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -444,3 +444,65 @@ def test_horizontal_fusion_on_the_adamw_step(world):
     assert count(plain, torch.ops.aten.pow.Scalar) == 68 and count(fused, torch.ops.aten.pow.Scalar) == 2
     assert len(fused.nodes) < len(plain.nodes) - 200
     assert with_pass.last.passes[0].name == "horizontal_fusion" and with_pass.last.passes[0].modified
+
+
+class _UnevenRoot(torch.nn.Module):
+    """Blocks around a root block whose parameters do not split evenly over 2 ranks: a ``(1, 8)``
+    token (rank 1's piece is empty) and a 5-class head. Expansion pads those on rank 1 only."""
+
+    def __init__(self):
+        super().__init__()
+        self.token = torch.nn.Parameter(torch.randn(1, 8))
+        self.embed = torch.nn.Linear(6, 8)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(2)])
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, x):
+        h = self.embed(x) + self.token
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
+def _uneven_root_worker(rank: int, world: int) -> dict:
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from spmd_expand.app.models import classification_step
+    from spmd_expand.rank_check import collective_entries
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = _UnevenRoot()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    step = spmd.compile(mesh=mesh, plan=spmd.FSDP(), lower="eager")(classification_step)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 5, (8,), generator=g)
+        local = slice(rank * 8 // world, (rank + 1) * 8 // world)
+        step(model, optimizer, x[local], y[local])
+        classification_step(reference, ref_optimizer, x, y)
+    return {
+        "collectives": collective_entries(step.last.local_graph)[0],
+        "params": {k: v.full_tensor() for k, v in model.named_parameters()},
+        "ref_params": dict(reference.named_parameters()),
+    }
+
+
+def test_bucketing_places_buckets_alike_on_every_rank():
+    """The root block's all-gather bucket (embeddings with the head, used far apart) goes where its
+    first member was, with the padding of the short pieces moved along: on every rank, although only
+    rank 1 pads. A placement that read the padding's position issued the ranks' collectives in
+    different orders (HF ViT and wav2vec2 under FSDP aborted inside gloo: "Received data size doesn't
+    match expected size")."""
+    from spmd_expand.app.launch import run_local
+
+    per_rank = run_local(_uneven_root_worker, 2, timeout_s=300)
+    assert per_rank[0]["collectives"] == per_rank[1]["collectives"]
+    assert sum("all_gather" in c for c in per_rank[0]["collectives"]) == 3 + 2  # root, 2 blocks; blocks again
+    for r in per_rank:
+        for k, v in r["ref_params"].items():
+            torch.testing.assert_close(r["params"][k], v.detach(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")

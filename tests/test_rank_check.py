@@ -58,6 +58,15 @@ def test_rank_dependent_code_under_torch_compile(results):
         assert "rank(s) 1 differ from rank 0" in message and "out * 2.0 if rank == 1 else out" in message
 
 
+def test_local_pass_that_differs_by_rank(results):
+    """The local graphs' collectives are compared too, after the passes: a pass that issues other
+    collectives on one rank is reported before any of them runs, not as a hang or a gloo abort."""
+    for message in _errors(results, "pass"):
+        assert "rank(s) 1 differ from rank 0 in the collectives of the local graph" in message
+        assert "a local pass of your own (passes=[...]) that depends on the rank" in message
+        assert "rank 0: <nothing: ends here>" in message or "all_reduce sum group=" in message
+
+
 def test_missing_rank_times_out_with_its_name(results):
     (message,) = _errors(results, "missing_rank")
     assert "waited 3 s for ranks 1" in message
