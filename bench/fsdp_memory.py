@@ -1,7 +1,7 @@
 """FSDP memory and communication of the GPT train step, per rank, on torch's fake process group.
 
-For W in (1, 2, 4, 8), with ``spmd.FSDP`` (both ``reshard_after_forward`` settings) and ``spmd.DDP`` as
-the reference in the same run:
+For W in (1, 2, 4, 8), with ``spmd.FSDP`` (``reshard_after_forward`` None: the default, blocks
+re-gathered and the root block kept; True; False) and ``spmd.DDP`` as the reference in the same run:
 
 * persistent bytes per rank: local parameter + optimizer-state bytes after a step, and the bytes of
   the reduced gradient the step hands to the optimizer (its reduce-scatter / all-reduce output);
@@ -9,7 +9,7 @@ the reference in the same run:
 * peak live bytes of the expanded graph, from a liveness walk (``graph_stats.peak_live_bytes``);
 * communication volume per step: bytes of the tensors gathered (all_gather outputs) and reduced
   (reduce_scatter inputs), against the textbook figure: every parameter gathered once in forward,
-  once more in backward when resharding, and every gradient reduce-scattered once (ZeRO-3,
+  once more in backward where resharded, and every gradient reduce-scattered once (ZeRO-3,
   Rajbhandari et al. 2020). With resharding, parameters that backward never reads (biases, the
   position embedding) are not gathered again, so the ratio is below 1.00; without it it is 1.00.
 
@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import spmd_expand as spmd
+from spmd_expand.plans import block_of
 from spmd_expand.graph_stats import annotate_local_values, peak_live_bytes
 from spmd_expand.app.models import GPTConfig, build_gpt
 from spmd_expand.app.models import language_model_step as step
@@ -46,6 +47,11 @@ def measure(world: int, plan, layers: int) -> dict:
         mesh = init_device_mesh("cpu", (world,))
         model = build_gpt(GPTConfig(vocab_size=64, block_size=BLOCK, n_layer=layers, n_head=4, n_embd=64))
         full_param_bytes = sum(_bytes(p) for p in model.parameters())
+        # Gathered again for backward: by default the blocks' parameters, not the root block's.
+        resharded = sum(
+            _bytes(p) for fqn, p in model.named_parameters()
+            if isinstance(plan, spmd.FSDP) and (plan.reshard_after_forward or (plan.reshard_after_forward is None and block_of(fqn)))
+        )
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
         compiled = spmd.compile(mesh=mesh, plan=plan, lower="eager")(step)
         idx = torch.randint(0, 64, (BATCH // world, BLOCK))
@@ -71,7 +77,8 @@ def measure(world: int, plan, layers: int) -> dict:
                 grads += _bytes(n.meta["val"])
         if world == 1:  # a 1-rank mesh needs no collective: the gradient is the full one
             grads = full_param_bytes
-        expected = full_param_bytes * (2 if getattr(plan, "reshard_after_forward", False) else 1) + full_param_bytes
+        # Gathered in forward, again in backward where resharded, reduced once.
+        expected = full_param_bytes + resharded + full_param_bytes
         return {
             "world_size": world,
             "persistent_bytes": {"params": params, "grads": grads, "optimizer_states": states, "total": params + grads + states},
@@ -91,6 +98,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
     plans = {
+        "fsdp_default": spmd.FSDP(),
         "fsdp_reshard": spmd.FSDP(reshard_after_forward=True),
         "fsdp_keep": spmd.FSDP(reshard_after_forward=False),
         "ddp": spmd.DDP(),

@@ -316,7 +316,7 @@ def _check_collectives_agree(what: str, graphs: Sequence[fx.GraphModule], mesh: 
     entries: list[str] = []
     sources: list[str] = []
     for gm in graphs:
-        e, s = collective_entries(gm)
+        e, s = collective_entries(gm, mesh)
         entries += e
         sources += s
     check_ranks_agree(

@@ -12,10 +12,10 @@ checks agreement where a divergence would first matter:
   arguments and constants, global shapes and dtypes, placements), from which expansion derives the
   collectives deterministically;
 * at every compilation, after the local passes: the collectives of this rank's graph, in the order it
-  issues them (kind, process group, reduce op, input dtype and shape). Ranks' local graphs may differ
-  (an uneven shard is padded on the ranks whose piece is short), but their collectives may not; a
-  difference here is a bug of spmd_expand's expansion or passes, reported instead of a collective
-  mismatch (a hang, an abort inside gloo/NCCL, or memory corruption).
+  issues them (kind, mesh dim, reduce op, input dtype and shape; no shapes on an N-D mesh). Ranks'
+  local graphs may differ (an uneven shard is padded on the ranks whose piece is short), but their
+  collectives may not; a difference here is a bug of spmd_expand's expansion or passes, reported
+  instead of a collective mismatch (a hang, an abort inside gloo/NCCL, or memory corruption).
 
 Each check is one digest per rank exchanged through the default process group's store (the first rank
 of the mesh publishes its digest, every rank compares with it; O(W) store operations), so a rank that
@@ -84,13 +84,23 @@ def graph_entries(gm: fx.GraphModule) -> tuple[list[str], list[str]]:
     return entries, sources
 
 
-def collective_entries(gm: fx.GraphModule) -> tuple[list[str], list[str]]:
-    """One line per collective of a local graph, in graph order (kind, process group, reduce op,
-    input dtype and shape, and the parameter it moves, if any), and its source line.
+def collective_entries(gm: fx.GraphModule, mesh: DeviceMesh) -> tuple[list[str], list[str]]:
+    """One line per collective of a local graph, in graph order (kind, mesh dim of its process group,
+    reduce op, input dtype and shape, and the parameter it moves, if any), and its source line.
 
-    Split sizes of an all-to-all are left out: they may differ by rank (uneven pieces)."""
+    Process groups are named by ``mesh``'s dim: their names differ between ranks of a 2-D mesh (rank
+    0's data-parallel group is not rank 1's). Input shapes are compared on a 1-D mesh only: on an N-D
+    mesh only the ranks of one group must agree on them, and ranks of different groups may hold pieces
+    of other sizes (an uneven tensor-parallel shard, then sharded again by FSDP). Split sizes of an
+    all-to-all are left out: they may differ by rank (uneven pieces)."""
     from .graph_stats import COLLECTIVES
 
+    dims = {}
+    for d in range(mesh.ndim):
+        try:
+            dims[mesh.get_group(d).group_name] = f"mesh dim {d}"
+        except Exception:  # noqa: BLE001 - a mesh without a group for this dim (a single-rank dim)
+            pass
     entries, sources = [], []
     for node in gm.graph.nodes:
         kind = COLLECTIVES.get(node.target) if node.op == "call_function" else None
@@ -99,11 +109,20 @@ def collective_entries(gm: fx.GraphModule) -> tuple[list[str], list[str]]:
         data = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
         group = node.args[-1] if kind != "all_to_all" else node.args[3]
         op = f" {node.args[1]}" if kind in ("all_reduce", "reduce_scatter") else ""
-        value = "" if kind == "all_to_all" or data is None else _describe(data.meta.get("val"))
+        value = "" if kind == "all_to_all" or data is None or mesh.ndim > 1 else _describe(data.meta.get("val"))
         fqn = node.meta.get("fqn")
-        entries.append(f"{kind}{op} group={group} {value}" + (f" ({fqn})" if fqn else ""))
+        where = dims.get(group) or _group_size(group)
+        entries.append(f"{kind}{op} on {where} {value}" + (f" ({fqn})" if fqn else ""))
         sources.append(user_source_line(node))
     return entries, sources
+
+
+def _group_size(group: Any) -> str:
+    """A process group outside the mesh's dims, by its size (its name may differ between ranks)."""
+    try:
+        return f"a group of {dist.get_world_size(dist.distributed_c10d._resolve_process_group(group))} ranks"
+    except Exception:  # noqa: BLE001 - an unresolvable name: say so, the same on every rank
+        return "a group outside the mesh"
 
 
 def state_entries(model: nn.Module, placements_of) -> tuple[list[str], list[str]]:

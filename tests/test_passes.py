@@ -486,7 +486,7 @@ def _uneven_root_worker(rank: int, world: int) -> dict:
         step(model, optimizer, x[local], y[local])
         classification_step(reference, ref_optimizer, x, y)
     return {
-        "collectives": collective_entries(step.last.local_graph)[0],
+        "collectives": collective_entries(step.last.local_graph, mesh)[0],
         "params": {k: v.full_tensor() for k, v in model.named_parameters()},
         "ref_params": dict(reference.named_parameters()),
     }
