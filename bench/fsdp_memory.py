@@ -29,7 +29,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import spmd_expand as spmd
 from spmd_expand.plans import block_of
-from spmd_expand.graph_stats import annotate_local_values, peak_live_bytes
+from spmd_expand.graph_stats import peak_live_bytes
 from spmd_expand.app.models import GPTConfig, build_gpt
 from spmd_expand.app.models import language_model_step as step
 
@@ -61,13 +61,11 @@ def measure(world: int, plan, layers: int) -> dict:
         local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
         params = sum(_bytes(local(p)) for p in model.parameters())
         states = sum(_bytes(local(v)) for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor))
-        inputs = [local(p) for p in model.parameters()] + [
-            local(v) for p in model.parameters() for v in optimizer.state[p].values() if isinstance(v, torch.Tensor)
-        ] + [idx, idx]
-        annotate_local_values(gm, inputs)
+        # The local graph's nodes carry their local values (meta["val"]) from expansion and the passes.
         grads = gathered = reduced = 0
         for n in gm.graph.nodes:
-            if n.target is C10D.all_gather_into_tensor.default and n.meta["val"].dim() > 0:
+            # (after the bucketing pass an all-gather bucket writes into a buffer: the _out form)
+            if n.target in (C10D.all_gather_into_tensor.default, C10D.all_gather_into_tensor_out.default) and n.meta["val"].dim() > 0:
                 gathered += _bytes(n.meta["val"])
             elif n.target is C10D.reduce_scatter_tensor.default:
                 reduced += _bytes(n.args[0].meta["val"])
