@@ -1023,6 +1023,12 @@ def _trace_failure_hint(kind: str, message: str, data_dependent: bool, library: 
             "tensor values that one compiled graph cannot take; autocast to bfloat16 (no loss scaling "
             "needed) or scale the loss by a constant and divide the gradients by it before optimizer.step()"
         )
+    if data_dependent and "torch/nn/utils/clip_grad.py" in library:
+        return (
+            "clip_grad_norm_(..., error_if_nonfinite=True) raises when the total norm is inf/NaN, a branch "
+            "on tensor values that one compiled graph cannot take; pass error_if_nonfinite=False (the "
+            "default) and check the norm the step returns after the call (`torch.isfinite(norm)`)"
+        )
     if data_dependent and "torch/distributions/" in library:
         return (
             "torch.distributions checks its arguments' values when it builds a distribution (validate_args, on "

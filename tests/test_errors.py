@@ -368,6 +368,25 @@ def test_grad_scaler_names_the_scaler_and_the_fix(fake_mesh):
     assert "scaler.step(optimizer)" in msg and "grad_scaler.py" in msg and "bfloat16" in msg, msg
 
 
+def test_clip_grad_norm_error_if_nonfinite_names_the_option(fake_mesh):
+    """clip_grad_norm_(error_if_nonfinite=True) raises on an inf/NaN norm, a branch on its value: the
+    error names the call and the option to drop."""
+    model = _mlp()
+
+    def step(model, optimizer, x):
+        loss = _loss(model, x)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+        optimizer.step()
+        return loss
+
+    with pytest.raises(spmd.TraceError) as info:
+        ddp(fake_mesh, step)(model, sgd(model), torch.randn(4, 8))
+    msg = str(info.value)
+    assert "clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)" in msg, msg
+    assert "pass error_if_nonfinite=False" in msg, msg
+
+
 class _Gaussian(nn.Module):
     """A VAE's encoder: a ``torch.distributions.Normal`` built in forward (it validates by default)."""
 
