@@ -28,7 +28,6 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import spmd_expand as spmd
-from spmd_expand.plans import block_of
 from spmd_expand.graph_stats import peak_live_bytes
 from spmd_expand.app.models import GPTConfig, build_gpt
 from spmd_expand.app.models import language_model_step as step
@@ -47,11 +46,8 @@ def measure(world: int, plan, layers: int) -> dict:
         mesh = init_device_mesh("cpu", (world,))
         model = build_gpt(GPTConfig(vocab_size=64, block_size=BLOCK, n_layer=layers, n_head=4, n_embd=64))
         full_param_bytes = sum(_bytes(p) for p in model.parameters())
-        # Gathered again for backward: by default the blocks' parameters, not the root block's.
-        resharded = sum(
-            _bytes(p) for fqn, p in model.named_parameters()
-            if isinstance(plan, spmd.FSDP) and (plan.reshard_after_forward or (plan.reshard_after_forward is None and block_of(fqn)))
-        )
+        # Gathered again for backward (FSDP's default: the blocks' parameters, not the root block's).
+        resharded = sum(_bytes(p) for fqn, p in model.named_parameters() if plan.reshards_after_forward(fqn))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
         compiled = spmd.compile(mesh=mesh, plan=plan, lower="eager")(step)
         idx = torch.randint(0, 64, (BATCH // world, BLOCK))

@@ -41,12 +41,10 @@ import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from ..errors import PassError
-from .feeders import WAIT, aliases_input, collective_kind, feeders, lays_out, writes_input
+from .feeders import WAIT, aliases_input, collective_kind, feeders, writes_input
 from .manager import SpmdPass
 
 __all__ = ["OverlapCollectives"]
-
-aten = torch.ops.aten
 
 def _reads_input(members: list[fx.Node]) -> bool:
     """Whether a collective (``members``: its start and feeders, :func:`~.feeders.feeders`) reads a

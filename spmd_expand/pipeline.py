@@ -138,7 +138,7 @@ class _Clock:
                 self.start = time.perf_counter()
 
             def __exit__(self, *exc):
-                clock.seconds[name] = clock.seconds.get(name, 0.0) + time.perf_counter() - self.start
+                clock.seconds[name] = time.perf_counter() - self.start
                 return False
 
         return _Timer()
@@ -158,8 +158,12 @@ def compile_step(*args: Any, lower: str, **kwargs: Any) -> StepArtifacts:
     Takes :func:`expand_step`'s arguments and ``lower`` (``"inductor"`` or ``"eager"``). A graph that
     runs once (:func:`creates_optimizer_state`) is not worth an Inductor compilation (seconds to
     minutes, most of a first call's time): it is lowered ``"eager"`` (``artifacts.lowering`` says).
+    Before lowering, the ranks compare the local graph's collectives (:func:`_check_collectives_agree`).
     """
     artifacts = expand_step(*args, **kwargs)
+    _check_collectives_agree(
+        "the collectives of the local graph", [artifacts.local_graph], artifacts, kwargs["mesh"], kwargs.get("timeout")
+    )
     artifacts.lowering = "eager" if lower == "inductor" and creates_optimizer_state(artifacts.traced) else lower
     start = time.perf_counter()
     artifacts.runner = lower_graph(
@@ -259,9 +263,6 @@ def expand_step(
         for override in module_override:
             local = override.transform(local)
 
-    with clock.stage("rank_check"):
-        _check_collectives_agree("the collectives of the local graph", [local], mesh, timeout)
-
     return StepArtifacts(traced, local, None, clock.seconds, expanded, records, list(example_inputs))
 
 
@@ -301,18 +302,20 @@ def expand_joint(
         records += backward_records
     step.passes += records
     step.seconds["local_passes"] = time.perf_counter() - start
-    start = time.perf_counter()
     split = [g for g in (forward, backward) if g is not None]
-    _check_collectives_agree("the collectives of the forward and backward graphs", split, kwargs["mesh"], kwargs.get("timeout"))
-    step.seconds["rank_check"] += time.perf_counter() - start
+    _check_collectives_agree("the collectives of the forward and backward graphs", split, step, kwargs["mesh"], kwargs.get("timeout"))
     return JointArtifacts(step, forward, backward)
 
 
-def _check_collectives_agree(what: str, graphs: Sequence[fx.GraphModule], mesh: DeviceMesh, timeout: Optional[timedelta]) -> None:
+def _check_collectives_agree(
+    what: str, graphs: Sequence[fx.GraphModule], artifacts: StepArtifacts, mesh: DeviceMesh, timeout: Optional[timedelta]
+) -> None:
     """Every rank issues the same collectives in the same order (:func:`~spmd_expand.rank_check.collective_entries`).
 
     Ranks' local graphs may differ (an uneven shard is padded on the ranks whose piece is short), their
-    collectives may not; checked after the passes, before anything runs."""
+    collectives may not; checked after the passes, before anything runs. Its seconds are added to
+    ``artifacts.seconds["rank_check"]``."""
+    start = time.perf_counter()
     entries: list[str] = []
     sources: list[str] = []
     for gm in graphs:
@@ -325,6 +328,7 @@ def _check_collectives_agree(what: str, graphs: Sequence[fx.GraphModule], mesh: 
         "local pass of your own (passes=[...]) that depends on the rank; run with passes=[] to tell which, and "
         "report the two ranks' dumps",
     )
+    artifacts.seconds["rank_check"] += time.perf_counter() - start
 
 
 def split_forward_backward(

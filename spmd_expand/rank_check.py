@@ -46,6 +46,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 
 from .errors import DivergenceError, user_source_line
+from .graph_stats import COLLECTIVES
 
 __all__ = ["timeout", "check_ranks_agree", "graph_entries", "collective_entries", "state_entries"]
 
@@ -93,8 +94,6 @@ def collective_entries(gm: fx.GraphModule, mesh: DeviceMesh) -> tuple[list[str],
     mesh only the ranks of one group must agree on them, and ranks of different groups may hold pieces
     of other sizes (an uneven tensor-parallel shard, then sharded again by FSDP). Split sizes of an
     all-to-all are left out: they may differ by rank (uneven pieces)."""
-    from .graph_stats import COLLECTIVES
-
     dims = {}
     for d in range(mesh.ndim):
         try:
@@ -107,7 +106,7 @@ def collective_entries(gm: fx.GraphModule, mesh: DeviceMesh) -> tuple[list[str],
         if kind is None:
             continue
         data = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-        group = node.args[-1] if kind != "all_to_all" else node.args[3]
+        group = node.args[-1]  # every functional collective takes its group name last
         op = f" {node.args[1]}" if kind in ("all_reduce", "reduce_scatter") else ""
         value = "" if kind == "all_to_all" or data is None or mesh.ndim > 1 else _describe(data.meta.get("val"))
         fqn = node.meta.get("fqn")
