@@ -356,6 +356,42 @@ def _decompose_tensor_value(func: Callable, args: tuple, kwargs: dict) -> Option
     return lambda: self_.add_(op(value * tensor1, tensor2))
 
 
+def _mean_over_last(dims: int) -> Callable:
+    def mean_over_pooled_dims(input: torch.Tensor, output_size: Any) -> torch.Tensor:
+        return input.mean(tuple(range(-dims, 0)), keepdim=True)
+
+    return mean_over_pooled_dims
+
+
+# Adaptive average pooling to size 1 (a global average pool: ``nn.AdaptiveAvgPool1d(1)`` over tokens in
+# Swin's pooler, ``AdaptiveAvgPool2d(1)`` in ResNets).
+_ADAPTIVE_AVG_POOLS = {
+    torch.adaptive_avg_pool1d: 1,
+    torch.nn.functional.adaptive_avg_pool2d: 2,
+    torch.nn.functional.adaptive_avg_pool3d: 3,
+}
+
+
+def _global_average_pool(func: Callable, args: tuple, kwargs: dict) -> Optional[Callable]:
+    """``mean`` over the pooled dims for an adaptive average pool to size 1, or None.
+
+    ATen computes that pool (``adaptive_avg_pool2d``/``3d``, CompositeImplicit, and ``1d`` through
+    ``2d``) as ``input.mean(dims, keepdim=True)``, then, for a channels-last input (a transposed
+    ``(batch, channels, tokens)`` tensor is one), ``as_strided_`` to channels-last strides. The mean
+    is the same values; the restride has no sharding rule, and autograd records its backward as
+    ``as_strided`` into a zero buffer of the storage's size, which none has either. Traced as the
+    mean alone, both are gone; only the output's strides differ (contiguous).
+    """
+    dims = _ADAPTIVE_AVG_POOLS.get(func)
+    if dims is None:
+        return None
+    output_size = args[1] if len(args) > 1 else kwargs.get("output_size")
+    sizes = (output_size,) * dims if isinstance(output_size, int) else tuple(output_size or ())
+    if len(sizes) != dims or any(type(size) is not int or size != 1 for size in sizes):
+        return None
+    return _mean_over_last(dims)
+
+
 def _mutates_first_arg(func: Callable) -> bool:
     name = getattr(func, "__name__", "")
     return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i") or name == "__setitem__"
@@ -505,6 +541,7 @@ class _StepMode(TorchFunctionMode):
         decomposed = _decompose_tensor_value(func, args, kwargs)
         if decomposed is not None:
             return decomposed()
+        func = _global_average_pool(func, args, kwargs) or func
         name = getattr(func, "__name__", "")
         if name == "__get__" and getattr(func, "__self__", None) is _GRAD:
             grad = func(*args, **kwargs)

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import hf_zoo  # noqa: E402
-from hf_zoo import VOCAB, Arch, _DECODER, masked_lm_batch, seq2seq_batch  # noqa: E402
+from hf_zoo import IMAGE, LABELS, VOCAB, Arch, _DECODER, image_batch, image_step, masked_lm_batch, seq2seq_batch  # noqa: E402
 from spmd_expand.app.launch import run_local  # noqa: E402
 
 
@@ -30,7 +30,21 @@ def _config(cls, **kw):
     return lambda attn: cls(**kw, attn_implementation=attn)
 
 
+def _plain_config(cls, **kw):
+    """A config class that takes no ``attn_implementation`` (``attention="none"`` entries)."""
+    return lambda attn: cls(**kw)
+
+
 _SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1)
+_BERT_LIKE = dict(
+    **_SMALL, num_attention_heads=2, intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
+_SEQ2SEQ = dict(
+    vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+    decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32, dropout=0.0,
+    attention_dropout=0.0, activation_dropout=0.0,
+)
 SWEEP = {
     "qwen2": Arch(_config(transformers.Qwen2Config, **_DECODER), transformers.Qwen2ForCausalLM),
     "phi3": Arch(_config(transformers.Phi3Config, **_DECODER, pad_token_id=0), transformers.Phi3ForCausalLM),
@@ -44,6 +58,27 @@ SWEEP = {
     "gptj": Arch(_config(transformers.GPTJConfig, vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=32, rotary_dim=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), transformers.GPTJForCausalLM, attention="eager"),
     "roberta": Arch(_config(transformers.RobertaConfig, **_SMALL, num_attention_heads=2, intermediate_size=64, max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), transformers.RobertaForMaskedLM, masked_lm_batch),
     "distilbert": Arch(_config(transformers.DistilBertConfig, vocab_size=VOCAB, dim=32, n_layers=1, n_heads=2, hidden_dim=64, max_position_embeddings=32, dropout=0.0, attention_dropout=0.0), transformers.DistilBertForMaskedLM, masked_lm_batch),
+    "albert": Arch(_config(transformers.AlbertConfig, **_BERT_LIKE, embedding_size=16, classifier_dropout_prob=0.0), transformers.AlbertForMaskedLM, masked_lm_batch, attention="eager"),
+    "electra": Arch(_config(transformers.ElectraConfig, **_BERT_LIKE, embedding_size=16), transformers.ElectraForMaskedLM, masked_lm_batch),
+    "deberta_v2": Arch(_plain_config(transformers.DebertaV2Config, **_BERT_LIKE), transformers.DebertaV2ForMaskedLM, masked_lm_batch, attention="none"),
+    "mpnet": Arch(_plain_config(transformers.MPNetConfig, **{**_BERT_LIKE, "max_position_embeddings": 40}), transformers.MPNetForMaskedLM, masked_lm_batch, attention="none"),
+    "mobilebert": Arch(_plain_config(transformers.MobileBertConfig, **_BERT_LIKE, embedding_size=16, intra_bottleneck_size=16, num_feedforward_networks=1, true_hidden_size=16), transformers.MobileBertForMaskedLM, masked_lm_batch, attention="none"),
+    "gpt_bigcode": Arch(_config(transformers.GPTBigCodeConfig, vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, multi_query=True), transformers.GPTBigCodeForCausalLM),
+    "codegen": Arch(_config(transformers.CodeGenConfig, vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=32, rotary_dim=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), transformers.CodeGenForCausalLM, attention="eager"),
+    "phi": Arch(_config(transformers.PhiConfig, **_DECODER, resid_pdrop=0.0, embd_pdrop=0.0), transformers.PhiForCausalLM),
+    "olmo": Arch(_config(transformers.OlmoConfig, **_DECODER), transformers.OlmoForCausalLM),
+    "cohere": Arch(_config(transformers.CohereConfig, **_DECODER), transformers.CohereForCausalLM),
+    "llama_tied": Arch(_config(transformers.LlamaConfig, **_DECODER, tie_word_embeddings=True), transformers.LlamaForCausalLM),
+    "biogpt": Arch(_config(transformers.BioGptConfig, **_BERT_LIKE), transformers.BioGptForCausalLM),
+    "mamba": Arch(_plain_config(transformers.MambaConfig, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, state_size=4, expand=2, conv_kernel=4), transformers.MambaForCausalLM, attention="none"),
+    "pegasus": Arch(_config(transformers.PegasusConfig, **_SEQ2SEQ, decoder_start_token_id=0, pad_token_id=0), transformers.PegasusForConditionalGeneration, seq2seq_batch),
+    "mbart": Arch(_config(transformers.MBartConfig, **_SEQ2SEQ, pad_token_id=1), transformers.MBartForConditionalGeneration, seq2seq_batch),
+    "convnext": Arch(_plain_config(transformers.ConvNextConfig, num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, num_labels=LABELS, drop_path_rate=0.0, patch_size=2), transformers.ConvNextForImageClassification, image_batch, image_step, attention="none"),
+    # Pools its tokens with AdaptiveAvgPool1d(1) on a transposed (channels-last) input.
+    "swin": Arch(_plain_config(transformers.SwinConfig, image_size=IMAGE, num_labels=LABELS, patch_size=2, embed_dim=8, depths=[1, 1], num_heads=[2, 2], window_size=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0), transformers.SwinForImageClassification, image_batch, image_step, attention="none"),
+    "beit": Arch(_config(transformers.BeitConfig, image_size=IMAGE, num_labels=LABELS, patch_size=4, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0, use_relative_position_bias=True), transformers.BeitForImageClassification, image_batch, image_step),
+    "regnet": Arch(_plain_config(transformers.RegNetConfig, num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], groups_width=4, num_labels=LABELS), transformers.RegNetForImageClassification, image_batch, image_step, attention="none"),
+    "segformer": Arch(_plain_config(transformers.SegformerConfig, num_channels=3, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16], patch_sizes=[3, 3], strides=[2, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2], num_labels=LABELS, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0, classifier_dropout_prob=0.0), transformers.SegformerForImageClassification, image_batch, image_step, attention="none"),
 }
 # Causal LMs whose config carries a base-model TP plan.
 TP_MODELS = {

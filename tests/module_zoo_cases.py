@@ -127,6 +127,21 @@ class _WeightNormConv(nn.Module):
         return self.out(F.gelu(self.conv(x)).mean(-1))
 
 
+class _TokenPool(nn.Module):
+    """Tokens pooled over the sequence by ``AdaptiveAvgPool1d(1)`` on ``(batch, channels, tokens)``
+    (Swin's and several vision transformers' pooler). On the transposed input, ATen's adaptive average
+    pool to size 1 is a mean followed by ``as_strided_`` restoring the channels-last strides."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.pool = nn.AdaptiveAvgPool1d(1)
+        self.out = nn.Linear(16, CLASSES)
+
+    def forward(self, x):
+        return self.out(torch.flatten(self.pool(self.proj(x).transpose(1, 2)), 1))
+
+
 def _images(g):
     return torch.randn(B, 3, 8, 8, generator=g)
 
@@ -144,6 +159,7 @@ MODELS = {
     "upsample_pixelshuffle": (_upsample, _images),
     "norms_activations": (_misc, lambda g: torch.randn(B, 6, generator=g)),
     "multihead_attention": (_Attention, _sequences),
+    "token_pool_adaptive_avg_pool1d": (_TokenPool, _sequences),
     "transformer_encoder": (_Encoder, _sequences),
     "transformer": (_Transformer, _sequences),
     "gru": (lambda: _Recurrent(nn.GRU), lambda g: torch.randn(B, 5, 3, generator=g)),

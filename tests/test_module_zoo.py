@@ -9,7 +9,7 @@ import torch
 import module_zoo_cases as zoo
 from spmd_expand.app.launch import run_local
 
-FSDP = ["conv2d_groupnorm_pools", "conv3d_pools", "transformer_encoder", "weight_norm_spectral_norm", "lstm"]
+FSDP = ["conv2d_groupnorm_pools", "conv3d_pools", "token_pool_adaptive_avg_pool1d", "transformer_encoder", "weight_norm_spectral_norm", "lstm"]
 
 
 @pytest.fixture(scope="module")
