@@ -138,6 +138,7 @@ def test_two_optimizers_rejected(fake_mesh):
     msg = str(info.value)
     assert "at most one torch.optim.Optimizer" in msg
     assert "found 2 optimizers" in msg
+    assert "one compiled step per optimizer" in msg and "d_step(gan, opt_d, real, z)" in msg
 
 
 def test_no_module_rejected(fake_mesh):

@@ -160,3 +160,17 @@ def test_scheduler_inside_step_is_refused():
         assert message.startswith("TraceError"), message
         assert "changed optimizer.param_groups[0] settings" in message and "'lr'" in message
         assert "scheduler.step() after the compiled step" in message
+
+
+def test_gan_two_compiled_steps_share_one_model():
+    """DCGAN's loop: the discriminator and the generator step at different points with their own
+    optimizers, so each is a compiled step of its own over the model holding both; the second step
+    adopts the parameters the first one converted (its optimizer was built before). One compilation each."""
+    per_rank = run_local(loops.run_gan, 2, ["ddp", "fsdp"], timeout_s=600)
+    for rank, res in enumerate(per_rank):
+        for plan, r in res.items():
+            assert "error" not in r, f"rank {rank} {plan}:\n{r['error']}"
+            torch.testing.assert_close(r["outs"], r["ref_outs"], rtol=RTOL, atol=ATOL)
+            for k in r["ref_params"]:
+                torch.testing.assert_close(r["params"][k], r["ref_params"][k], rtol=RTOL, atol=ATOL, msg=lambda m: f"{plan} {k}: {m}")
+            assert r["compilations"] == [1, 1], (plan, r["compilations"])
