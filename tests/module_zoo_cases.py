@@ -142,6 +142,15 @@ class _TokenPool(nn.Module):
         return self.out(torch.flatten(self.pool(self.proj(x).transpose(1, 2)), 1))
 
 
+def _channels_last_cnn():
+    """A CNN in channels-last memory format (``model.to(memory_format=torch.channels_last)``, a common
+    speed-up for vision training), global-average-pooled by ``AdaptiveAvgPool2d(1)``."""
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, CLASSES),
+    ).to(memory_format=torch.channels_last)
+
+
 def _images(g):
     return torch.randn(B, 3, 8, 8, generator=g)
 
@@ -160,6 +169,7 @@ MODELS = {
     "norms_activations": (_misc, lambda g: torch.randn(B, 6, generator=g)),
     "multihead_attention": (_Attention, _sequences),
     "token_pool_adaptive_avg_pool1d": (_TokenPool, _sequences),
+    "channels_last_cnn": (_channels_last_cnn, lambda g: _images(g).to(memory_format=torch.channels_last)),
     "transformer_encoder": (_Encoder, _sequences),
     "transformer": (_Transformer, _sequences),
     "gru": (lambda: _Recurrent(nn.GRU), lambda g: torch.randn(B, 5, 3, generator=g)),
