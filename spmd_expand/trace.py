@@ -364,11 +364,11 @@ def _mean_over_last(dims: int) -> Callable:
 
 
 # Adaptive average pooling to size 1 (a global average pool: ``nn.AdaptiveAvgPool1d(1)`` over tokens in
-# Swin's pooler, ``AdaptiveAvgPool2d(1)`` in ResNets).
+# Swin's pooler, ``AdaptiveAvgPool2d(1)`` in ResNets): pooled dims, and the mean that computes it.
 _ADAPTIVE_AVG_POOLS = {
-    torch.adaptive_avg_pool1d: 1,
-    torch.nn.functional.adaptive_avg_pool2d: 2,
-    torch.nn.functional.adaptive_avg_pool3d: 3,
+    torch.adaptive_avg_pool1d: (1, _mean_over_last(1)),
+    torch.nn.functional.adaptive_avg_pool2d: (2, _mean_over_last(2)),
+    torch.nn.functional.adaptive_avg_pool3d: (3, _mean_over_last(3)),
 }
 
 
@@ -382,14 +382,14 @@ def _global_average_pool(func: Callable, args: tuple, kwargs: dict) -> Optional[
     ``as_strided`` into a zero buffer of the storage's size, which none has either. Traced as the
     mean alone, both are gone; only the output's strides differ (contiguous).
     """
-    dims = _ADAPTIVE_AVG_POOLS.get(func)
-    if dims is None:
+    dims, mean = _ADAPTIVE_AVG_POOLS.get(func, (0, None))
+    if mean is None:
         return None
     output_size = args[1] if len(args) > 1 else kwargs.get("output_size")
     sizes = (output_size,) * dims if isinstance(output_size, int) else tuple(output_size or ())
     if len(sizes) != dims or any(type(size) is not int or size != 1 for size in sizes):
         return None
-    return _mean_over_last(dims)
+    return mean
 
 
 def _mutates_first_arg(func: Callable) -> bool:
@@ -458,6 +458,9 @@ class _StepMode(TorchFunctionMode):
     * Reading ``param.grad`` outside backward returns ``gradient(grad)`` and stores it back, so the
       optimizer, ``clip_grad_norm_`` and user code all see the gradient reduced per the plan, reduced
       once however often it is read (until a later backward accumulates into it again).
+    * A few calls are recorded as equal-valued forms that every op of has a sharding rule:
+      ``addcdiv_``/``addcmul_`` with a tensor ``value`` (:func:`_decompose_tensor_value`), an adaptive
+      average pool to size 1 (:func:`_global_average_pool`).
     """
 
     def __init__(
