@@ -56,7 +56,7 @@ SWEEP = {
     "falcon": Arch(_config(transformers.FalconConfig, **_SMALL, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0), transformers.FalconForCausalLM),
     "bloom": Arch(_config(transformers.BloomConfig, vocab_size=VOCAB, hidden_size=32, n_layer=1, n_head=4, hidden_dropout=0.0, attention_dropout=0.0), transformers.BloomForCausalLM, attention="eager"),
     "gptj": Arch(_config(transformers.GPTJConfig, vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=32, rotary_dim=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), transformers.GPTJForCausalLM, attention="eager"),
-    "roberta": Arch(_config(transformers.RobertaConfig, **_SMALL, num_attention_heads=2, intermediate_size=64, max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), transformers.RobertaForMaskedLM, masked_lm_batch),
+    "roberta": Arch(_config(transformers.RobertaConfig, **{**_BERT_LIKE, "max_position_embeddings": 40}), transformers.RobertaForMaskedLM, masked_lm_batch),
     "distilbert": Arch(_config(transformers.DistilBertConfig, vocab_size=VOCAB, dim=32, n_layers=1, n_heads=2, hidden_dim=64, max_position_embeddings=32, dropout=0.0, attention_dropout=0.0), transformers.DistilBertForMaskedLM, masked_lm_batch),
     "albert": Arch(_config(transformers.AlbertConfig, **_BERT_LIKE, embedding_size=16, classifier_dropout_prob=0.0), transformers.AlbertForMaskedLM, masked_lm_batch, attention="eager"),
     "electra": Arch(_config(transformers.ElectraConfig, **_BERT_LIKE, embedding_size=16), transformers.ElectraForMaskedLM, masked_lm_batch),
