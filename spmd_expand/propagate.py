@@ -38,6 +38,15 @@ __all__ = ["propagate"]
 
 aten = torch.ops.aten
 
+# Ops without a rule whose usual caller has a form that has rules: what the error's fix says instead
+# of registering a rule.
+_FORM_WITH_RULES = {
+    op: "nn.EmbeddingBag (F.embedding_bag) is supported over a 2-D (bags, bag_size) input; a 1-D input "
+    "with offsets is not (the offsets index the whole flattened batch, which no rank holds): pad the bags "
+    "to one size and pass them as a 2-D tensor (padding_idx keeps the padding out of every mode)"
+    for op in (aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
+}
+
 # Ops through which a partial p-norm stays one (see _Propagator.dtensor_rule): views, copies,
 # stack/cat, and the norms themselves.
 _NORM_PARTIAL_SAFE = VIEW_OPS | {
@@ -246,7 +255,8 @@ class _Propagator:
                 node,
                 f"no sharding rule for {op}: {str(e).splitlines()[0]}",
                 placements=[s.placements for s in current if s is not None],
-                fix=f"register the placements this op accepts with DTensor's "
+                fix=_FORM_WITH_RULES.get(op)
+                or f"register the placements this op accepts with DTensor's "
                 f"torch.distributed.tensor.experimental.register_sharding({op}) (spmd_expand looks rules up "
                 f"there), or pass module_override= to swap the submodule for a traceable stand-in",
             ) from e

@@ -605,6 +605,40 @@ def _embedding_renorm_sharding(weight, indices, max_norm, norm_type):
     return [([Replicate()], [Replicate(), Replicate(), None, None])]
 
 
+# ``embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq)``:
+# DTensor's rule (torch 2.13, ``_embedding_ops.embedding_dense_backward_strategy``) offers, besides
+# column-wise (grad_output split on the embedding dim, indices replicated) and partial grad_output,
+# grad_output and indices split on the same batch dim with a partial weight gradient. That one is wrong
+# under ``scale_grad_by_freq=True`` (``nn.Embedding(..., scale_grad_by_freq=True)``): each row's
+# gradient is divided by how often its index occurs in the *whole* batch, and a rank counts only its
+# own part, so data-parallel gradients came out larger than one device's, silently. This replaces the
+# rule with the same strategies, less that one when frequencies are counted: the indices are then
+# replicated (gathered), and every rank counts the global batch as one device does. (DTensor's rule is
+# a single-dim strategy, which the propagator prefers to a registered one: it is dropped first.)
+def _drop_dtensor_single_dim_rule(op) -> None:
+    from torch.distributed.tensor import DTensor
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    prop.op_single_dim_strategy_funcs.pop(op, None)
+    prop.op_to_schema_info_for_single_dim_strategy.pop(op, None)
+
+
+_drop_dtensor_single_dim_rule(aten.embedding_dense_backward.default)
+
+
+@register_sharding(aten.embedding_dense_backward.default)
+def _embedding_backward_sharding(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
+    rest = [None, None, None]
+    strategies = [
+        ([Replicate()], [Replicate(), Replicate(), *rest]),
+        ([Shard(1)], [Shard(len(grad_output.shape) - 1), Replicate(), *rest]),
+        ([Partial()], [Partial(), Replicate(), *rest]),
+    ]
+    if not scale_grad_by_freq:
+        strategies += [([Partial()], [Shard(d), Shard(d), *rest]) for d in range(len(indices.shape))]
+    return strategies
+
+
 def constant_rule_for_untensored(node: fx.Node, prop):
     """An op with no tensor argument that has no rule of its own (``linspace``, ``logspace``,
     ``tril_indices``, window functions): every rank computes the same value from the same global

@@ -37,6 +37,7 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -392,6 +393,90 @@ def _global_average_pool(func: Callable, args: tuple, kwargs: dict) -> Optional[
     return mean
 
 
+def _embedding_bag_of_rows(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    offsets: Optional[torch.Tensor] = None,
+    max_norm: Optional[float] = None,
+    norm_type: float = 2.0,
+    scale_grad_by_freq: bool = False,
+    mode: str = "mean",
+    sparse: bool = False,
+    per_sample_weights: Optional[torch.Tensor] = None,
+    include_last_offset: bool = False,
+    padding_idx: Optional[int] = None,
+) -> torch.Tensor:
+    """``F.embedding_bag`` of a 2-D ``(bags, bag_size)`` input as ``F.embedding`` and a reduction over
+    each bag: ``(bags, dim)``. Entries equal to ``padding_idx`` are left out of every mode (a bag of
+    padding alone gives zeros), as ATen's ``_embedding_bag`` does."""
+    rows = F.embedding(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights.unsqueeze(-1)
+    kept = None if padding_idx is None else (input != padding_idx % weight.size(0)).unsqueeze(-1)
+    if mode == "max":
+        if kept is None:
+            return rows.max(1).values
+        return rows.masked_fill(~kept, float("-inf")).max(1).values.masked_fill(~kept.any(1), 0)
+    total = (rows if kept is None else rows * kept).sum(1)
+    if mode == "sum":
+        return total
+    return total / (input.size(1) if kept is None else kept.sum(1).clamp(min=1))
+
+
+def _embedding_bag(func: Callable, args: tuple, kwargs: dict) -> Optional[Callable]:
+    """:func:`_embedding_bag_of_rows` for ``F.embedding_bag`` over a 2-D input (``nn.EmbeddingBag(x)``
+    with fixed-size bags, as in DLRM), or None.
+
+    ``F.embedding_bag`` flattens a 2-D input and builds its bag offsets with ``arange(0, numel,
+    bag_size)``: offsets into the *global* flattened batch, which no rank's shard of the batch can use,
+    and ATen's fused ``_embedding_bag`` has no sharding rule. The embedding and the per-bag reduction
+    split on the batch dim like any other rows (and column-wise under tensor parallelism). The fused
+    kernel does not hold the ``(bags, bag_size, dim)`` rows that this form does. A 1-D input with
+    explicit ``offsets`` is not rewritten (and is refused by the op's missing rule). Calls
+    ``F.embedding_bag`` itself refuses (a ``mode`` it does not know, ``per_sample_weights`` outside
+    ``"sum"``, ...) keep its own error.
+    """
+    if func is not F.embedding_bag:
+        return None
+    names = ("input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq", "mode", "sparse", "per_sample_weights")
+    bound = {**dict(zip(names, args)), **kwargs}
+    input, weight, weights = bound.get("input"), bound.get("weight"), bound.get("per_sample_weights")
+    mode = bound.get("mode", "mean")
+    usable = (
+        isinstance(input, torch.Tensor)
+        and isinstance(weight, torch.Tensor)
+        and input.dim() == 2
+        and not input.is_nested
+        and not input.is_floating_point()
+        and weight.dim() == 2
+        and bound.get("offsets") is None
+        and mode in ("sum", "mean", "max")
+        and (weights is None or (mode == "sum" and weights.shape == input.shape))
+        and not (mode == "max" and (bound.get("scale_grad_by_freq") or bound.get("sparse")))
+    )
+    return _embedding_bag_of_rows if usable else None
+
+
+def _bilinear_as_einsum(
+    input1: torch.Tensor, input2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """``F.bilinear``: ``y[..., o] = sum_ij x1[..., i] W[o, i, j] x2[..., j] + b[o]``, as ``einsum``."""
+    out = torch.einsum("...i,oij,...j->...o", input1, weight, input2)
+    return out if bias is None else out + bias
+
+
+def _bilinear(func: Callable, args: tuple, kwargs: dict) -> Optional[Callable]:
+    """``einsum`` for ``F.bilinear`` (``nn.Bilinear``), or None: ATen's ``_trilinear`` has no sharding
+    rule; the einsum's matmuls split on the batch dims. Same values up to summation order."""
+    return _bilinear_as_einsum if func is F.bilinear else None
+
+
+def _equal_valued_form(func: Callable, args: tuple, kwargs: dict) -> Callable:
+    """``func``, or a function computing the same values from the same arguments with ops that have
+    sharding rules (:func:`_global_average_pool`, :func:`_embedding_bag`, :func:`_bilinear`)."""
+    return _global_average_pool(func, args, kwargs) or _embedding_bag(func, args, kwargs) or _bilinear(func, args, kwargs) or func
+
+
 def _mutates_first_arg(func: Callable) -> bool:
     name = getattr(func, "__name__", "")
     return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i") or name == "__setitem__"
@@ -460,7 +545,8 @@ class _StepMode(TorchFunctionMode):
       once however often it is read (until a later backward accumulates into it again).
     * A few calls are recorded as equal-valued forms that every op of has a sharding rule:
       ``addcdiv_``/``addcmul_`` with a tensor ``value`` (:func:`_decompose_tensor_value`), an adaptive
-      average pool to size 1 (:func:`_global_average_pool`).
+      average pool to size 1, ``embedding_bag`` of fixed-size bags and ``bilinear``
+      (:func:`_equal_valued_form`).
     """
 
     def __init__(
@@ -544,7 +630,7 @@ class _StepMode(TorchFunctionMode):
         decomposed = _decompose_tensor_value(func, args, kwargs)
         if decomposed is not None:
             return decomposed()
-        func = _global_average_pool(func, args, kwargs) or func
+        func = _equal_valued_form(func, args, kwargs)
         name = getattr(func, "__name__", "")
         if name == "__get__" and getattr(func, "__self__", None) is _GRAD:
             grad = func(*args, **kwargs)

@@ -2,8 +2,9 @@
 
 Convolutions (1-D/2-D/3-D, transposed, padding modes), Group/Instance/Batch/Layer/RMS norm, pooling
 (max, average, adaptive), upsampling, PixelShuffle, MultiheadAttention, TransformerEncoder,
-Transformer, GRU, LSTM, embeddings, activations. Layers with no DTensor rule (EmbeddingBag, Bilinear)
-must be refused with UnsupportedOpError, never run wrong.
+Transformer, GRU, LSTM, embeddings (EmbeddingBag, frequency-scaled gradients), Bilinear, activations.
+A form with no sharding rule (EmbeddingBag's 1-D input with offsets) must be refused with
+UnsupportedOpError, never run wrong.
 """
 
 from __future__ import annotations
@@ -104,14 +105,57 @@ class _Recurrent(nn.Module):
         return self.out(self.rnn(x)[0][:, -1])
 
 
-class _EmbeddingBag(nn.Module):
+class _Pair(nn.Module):
+    """``Bilinear(x, x.flip(-1))`` as a one-input model."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x, x.flip(-1))
+
+
+class _Embedding(nn.Module):
+    """``nn.Embedding(scale_grad_by_freq=True)``: each row's gradient is divided by how often its index
+    occurs in the whole batch (DTensor's rule counted each rank's part: gradients silently too large)."""
+
     def __init__(self):
         super().__init__()
-        self.bag = nn.EmbeddingBag(20, 8, mode="mean")
+        self.emb = nn.Embedding(20, 8, scale_grad_by_freq=True)
         self.out = nn.Linear(8, CLASSES)
 
     def forward(self, x):
-        return self.out(self.bag(x))
+        return self.out(self.emb(x).mean(1))
+
+
+class _EmbeddingBag(nn.Module):
+    """``nn.EmbeddingBag`` over fixed-size bags (a 2-D input, as DLRM's sparse features);
+    ``weighted``: per-sample weights computed from the indices (mode "sum" only)."""
+
+    def __init__(self, weighted: bool = False, **options):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(20, 8, **options)
+        self.weighted = weighted
+        self.out = nn.Linear(8, CLASSES)
+
+    def forward(self, x):
+        weights = (x.float() + 1).reciprocal() if self.weighted else None
+        return self.out(self.bag(x, per_sample_weights=weights))
+
+
+class _EmbeddingBagOffsets(_EmbeddingBag):
+    """The 1-D form: flattened indices and bag offsets (refused: the offsets index the global batch)."""
+
+    def forward(self, x):
+        return self.out(self.bag(x.flatten(), torch.arange(0, x.numel(), x.size(1))))
+
+
+def _bags(g):
+    """Indices of 8 bags of 6; index 0 (the padding index where one is set) fills bag 1 alone."""
+    x = torch.randint(0, 20, (B, 6), generator=g)
+    x[1] = 0
+    return x
 
 
 class _WeightNormConv(nn.Module):
@@ -176,22 +220,18 @@ MODELS = {
     # Two layers, traced as torch's LSTM decomposition (its CPU oneDNN kernel has no rule).
     "lstm": (lambda: _Recurrent(lambda i, h, batch_first: nn.LSTM(i, h, num_layers=2, batch_first=batch_first)), lambda g: torch.randn(B, 5, 3, generator=g)),
     "weight_norm_spectral_norm": (_WeightNormConv, lambda g: torch.randn(B, 3, 16, generator=g)),
+    "embedding_scale_grad_by_freq": (_Embedding, _bags),
+    # Traced as the embedding and a per-bag reduction (ATen's fused kernel has no sharding rule).
+    "embedding_bag_mean_padding": (lambda: _EmbeddingBag(mode="mean", padding_idx=0), _bags),
+    "embedding_bag_max_padding": (lambda: _EmbeddingBag(mode="max", padding_idx=0), _bags),
+    "embedding_bag_sum_weighted": (lambda: _EmbeddingBag(weighted=True, mode="sum"), _bags),
+    # Traced as an einsum (ATen's _trilinear has no sharding rule); one input: Bilinear(x, x.flip(-1)).
+    "bilinear": (lambda: _Pair(nn.Bilinear(6, 6, CLASSES)), lambda g: torch.randn(B, 6, generator=g)),
 }
+# name -> ((model, batch), the op named, what the fix says)
 REFUSED = {
-    "embedding_bag": ((_EmbeddingBag, lambda g: torch.randint(0, 20, (B, 6), generator=g)), "_embedding_bag"),
-    "bilinear": ((lambda: nn.Bilinear(6, 6, CLASSES), None), "_trilinear"),
+    "embedding_bag_offsets": ((lambda: _EmbeddingBagOffsets(mode="sum"), _bags), "_embedding_bag", "2-D (bags, bag_size) input"),
 }
-
-
-class _Pair(nn.Module):
-    """``Bilinear(x, x.flip(-1))`` as a one-input model."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        return self.inner(x, x.flip(-1))
 
 
 def step(model, x, y):
@@ -213,12 +253,10 @@ def run_models(rank: int, world: int, plan: str, names: list[str]) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     results = {}
     for name in names:
-        (build, batch), _ = REFUSED[name] if name in REFUSED else (MODELS[name], None)
+        build, batch = REFUSED[name][0] if name in REFUSED else MODELS[name]
         try:
             torch.manual_seed(0)
             model = build()
-            if name == "bilinear":
-                model, batch = _Pair(model), (lambda g: torch.randn(B, 6, generator=g))
             reference = copy.deepcopy(model)
             g = torch.Generator().manual_seed(1)
             x, y = batch(g), torch.randint(0, CLASSES, (B,), generator=g)

@@ -7,9 +7,14 @@ import pytest
 import torch
 
 import module_zoo_cases as zoo
+import torch.nn.functional as F
 from spmd_expand.app.launch import run_local
+from spmd_expand.trace import _embedding_bag_of_rows
 
-FSDP = ["conv2d_groupnorm_pools", "conv3d_pools", "token_pool_adaptive_avg_pool1d", "transformer_encoder", "weight_norm_spectral_norm", "lstm"]
+FSDP = [
+    "conv2d_groupnorm_pools", "conv3d_pools", "token_pool_adaptive_avg_pool1d", "transformer_encoder",
+    "weight_norm_spectral_norm", "lstm", "embedding_scale_grad_by_freq", "embedding_bag_mean_padding",
+]
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +42,42 @@ def test_gradients_match_one_device(results, plan, name):
 
 @pytest.mark.parametrize("name", list(zoo.REFUSED))
 def test_layers_without_a_rule_are_refused(results, name):
-    op = zoo.REFUSED[name][1]
+    _, op, fix = zoo.REFUSED[name]
     for rank, per_model in enumerate(results("ddp")):
         r = per_model[name]
         assert "refused" in r, f"rank {rank}: expected UnsupportedOpError, got {r}"
-        assert op in r["refused"] and "register_sharding" in r["refused"]
+        assert op in r["refused"] and fix in r["refused"], r["refused"]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(mode="sum"), dict(mode="mean"), dict(mode="max"), dict(mode="sum", padding_idx=0),
+        dict(mode="mean", padding_idx=0), dict(mode="max", padding_idx=0), dict(mode="sum", weighted=True),
+        dict(mode="sum", scale_grad_by_freq=True), dict(mode="mean", padding_idx=0, scale_grad_by_freq=True),
+    ],
+    ids=str,
+)
+def test_embedding_bag_form_matches_torch(options):
+    """The form fixed-size bags are traced in (embedding, then a reduction per bag) against torch's fused
+    kernel on one device: values and gradients. With ``scale_grad_by_freq`` the reference is the
+    documented one (each row's gradient over the count of its index in the batch): torch 2.13's CPU
+    kernel divides by another index's count (pytorch/pytorch#190063, fixed after 2.13)."""
+    options = dict(options)
+    torch.manual_seed(0)
+    x = zoo._bags(torch.Generator().manual_seed(1))
+    weights = (x.float() + 1).reciprocal() if options.pop("weighted", False) else None
+    weight = torch.randn(20, 8, requires_grad=True)
+    g = torch.randn(x.size(0), 8)
+    ours = _embedding_bag_of_rows(x, weight, per_sample_weights=weights, **options)
+    (grad,) = torch.autograd.grad(ours, weight, g)
+    if options.pop("scale_grad_by_freq", False):
+        ref = F.embedding_bag(x, weight, per_sample_weights=weights, **options)
+        (ref_grad,) = torch.autograd.grad(ref, weight, g)
+        counts = torch.bincount(x.flatten(), minlength=20).clamp(min=1)
+        ref_grad = ref_grad / counts[:, None]
+    else:
+        ref = F.embedding_bag(x, weight, per_sample_weights=weights, **options)
+        (ref_grad,) = torch.autograd.grad(ref, weight, g)
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(grad, ref_grad)
