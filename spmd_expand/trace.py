@@ -231,8 +231,9 @@ _FUNCTIONAL_VARIANT = {
 }
 
 
-def _nll_loss_mean_as_sum(self, target, weight, reduction, ignore_index):
-    """``nll_loss_forward`` with ``reduction="mean"`` as ``sum / total_weight`` (same values).
+def _nll_loss_mean_as_sum(forward: torch._ops.OpOverload) -> Callable:
+    """``forward`` (``nll_loss_forward``, or ``nll_loss2d_forward`` for ``(N, C, H, W)`` inputs) with
+    ``reduction="mean"`` as ``sum / total_weight`` (same values).
 
     DTensor's rule for the mean form averages per-rank means (``Partial(avg)``), which is wrong when
     ranks ignore different numbers of targets; as a sum and a total weight, both are reduced before
@@ -243,18 +244,22 @@ def _nll_loss_mean_as_sum(self, target, weight, reduction, ignore_index):
     on no activation, so under data parallelism its all-reduce can be issued when the step starts
     (the ``overlap`` pass moves it there) instead of blocking after the forward.
     """
-    if reduction != 1:  # torch._reduction: 0 none, 1 mean, 2 sum
-        return NotImplemented
-    total, total_weight = aten.nll_loss_forward.default(self, target, weight, 2, ignore_index)
-    if weight is None:
-        counted = aten.sum.default(aten.ne.Scalar(target, ignore_index))
-        total_weight = aten._to_copy.default(counted, dtype=self.dtype)
-    return total / total_weight, total_weight
+
+    def mean_as_sum(self, target, weight, reduction, ignore_index):
+        if reduction != 1:  # torch._reduction: 0 none, 1 mean, 2 sum
+            return NotImplemented
+        total, total_weight = forward(self, target, weight, 2, ignore_index)
+        if weight is None:
+            counted = aten.sum.default(aten.ne.Scalar(target, ignore_index))
+            total_weight = aten._to_copy.default(counted, dtype=self.dtype)
+        return total / total_weight, total_weight
+
+    return mean_as_sum
 
 
 # Applied while functionalizing (pass 2): rewrites that keep single-device values and give the
 # sharded program the global semantics.
-_REWRITES = {aten.nll_loss_forward.default: _nll_loss_mean_as_sum}
+_REWRITES = {op: _nll_loss_mean_as_sum(op) for op in (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)}
 # Ops with a decomposition but no DTensor strategy that stay as they are: host reads and constants
 # (refused or placed by spmd_expand's own rules).
 _KEEP = frozenset({aten.item.default, aten.sym_numel.default, aten.lift.default, aten.lift_fresh.default})
@@ -471,10 +476,52 @@ def _bilinear(func: Callable, args: tuple, kwargs: dict) -> Optional[Callable]:
     return _bilinear_as_einsum if func is F.bilinear else None
 
 
+def _multilabel_margin_loss(
+    input: torch.Tensor,
+    target: torch.Tensor,
+    size_average: Optional[bool] = None,
+    reduce: Optional[bool] = None,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """``F.multilabel_margin_loss``, as ATen's kernel defines it: row ``b``'s targets are ``target[b]``
+    up to its first negative entry, and its loss is ``sum_{j target, i not target} relu(1 - x[j] +
+    x[i]) / C``; then ``reduction`` over the rows. ``input``/``target``: ``(C,)`` or ``(N, C)``.
+
+    Traced in place of torch's: make_fx runs torch's Python decomposition of
+    ``multilabel_margin_loss_forward`` (``torch/_decomp/decompositions.py``), which in torch 2.13 still
+    counts the slots after a target row's ``-1`` end marker as targets (pytorch/pytorch#141017, fixed
+    after 2.13), so the traced loss and gradients differed from eager's, on one rank as on many.
+    """
+    if size_average is not None or reduce is not None:
+        reduction = torch.nn._reduction.legacy_get_string(size_average, reduce)
+    x, y = (input, target) if input.dim() == 2 else (input.unsqueeze(0), target.unsqueeze(0))
+    classes = torch.arange(x.size(1), device=x.device)
+    slots = (y >= 0).cumprod(1).bool()  # (N, slot): before the row's first negative entry
+    is_target = ((y.unsqueeze(-1) == classes) & slots.unsqueeze(-1)).any(1)  # (N, C)
+    target_scores = x.gather(1, y.clamp(min=0))  # (N, slot)
+    margins = torch.relu(1 - target_scores.unsqueeze(-1) + x.unsqueeze(1))  # (N, slot, C)
+    rows = (margins * (slots.unsqueeze(-1) & ~is_target.unsqueeze(1))).sum((1, 2)) / x.size(1)
+    if reduction == "mean":
+        return rows.mean()
+    if reduction == "sum":
+        return rows.sum()
+    return rows if input.dim() == 2 else rows[0]
+
+
+def _multilabel_margin(func: Callable, args: tuple, kwargs: dict) -> Optional[Callable]:
+    """:func:`_multilabel_margin_loss` for ``F.multilabel_margin_loss`` (``nn.MultiLabelMarginLoss``)."""
+    return _multilabel_margin_loss if func is F.multilabel_margin_loss else None
+
+
 def _equal_valued_form(func: Callable, args: tuple, kwargs: dict) -> Callable:
     """``func``, or a function computing the same values from the same arguments with ops that have
-    sharding rules (:func:`_global_average_pool`, :func:`_embedding_bag`, :func:`_bilinear`)."""
-    return _global_average_pool(func, args, kwargs) or _embedding_bag(func, args, kwargs) or _bilinear(func, args, kwargs) or func
+    sharding rules (:func:`_global_average_pool`, :func:`_embedding_bag`, :func:`_bilinear`), or whose
+    traced form in torch is wrong (:func:`_multilabel_margin`)."""
+    for form in (_global_average_pool, _embedding_bag, _bilinear, _multilabel_margin):
+        replacement = form(func, args, kwargs)
+        if replacement is not None:
+            return replacement
+    return func
 
 
 def _mutates_first_arg(func: Callable) -> bool:
@@ -545,8 +592,8 @@ class _StepMode(TorchFunctionMode):
       once however often it is read (until a later backward accumulates into it again).
     * A few calls are recorded as equal-valued forms that every op of has a sharding rule:
       ``addcdiv_``/``addcmul_`` with a tensor ``value`` (:func:`_decompose_tensor_value`), an adaptive
-      average pool to size 1, ``embedding_bag`` of fixed-size bags and ``bilinear``
-      (:func:`_equal_valued_form`).
+      average pool to size 1, ``embedding_bag`` of fixed-size bags, ``bilinear`` and
+      ``multilabel_margin_loss`` (:func:`_equal_valued_form`).
     """
 
     def __init__(

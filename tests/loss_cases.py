@@ -48,6 +48,18 @@ LOSSES = {
     "margin_ranking": lambda o, t: F.margin_ranking_loss(o[:, 0], o[:, 1], t["sign"][:, 0], margin=0.1),
     "triplet_margin": lambda o, t: F.triplet_margin_loss(o, t["real"], t["prob"]),
     "multi_margin": lambda o, t: F.multi_margin_loss(o, t["class"]),
+    # Each row's target classes end at its first -1 (torch 2.13's traced form counted the slots after it).
+    "multilabel_margin": lambda o, t: F.multilabel_margin_loss(o, torch.where(t["sign"] > 0, t["class"][:, None].expand(-1, OUT), -1)),
+    # Segmentation-shaped (N, C, H, W) logits: the mean over pixels not ignored, weighted by class, is
+    # taken over the global batch (the returned loss averaged per-rank means before).
+    "cross_entropy_2d_weight_ignore": lambda o, t: F.cross_entropy(
+        o.view(-1, 2, 2, 1).expand(-1, 2, 2, 3),
+        torch.where(t["sign"][:, :2] > 0, t["class"][:, None] % 2, -100)[:, :, None].expand(-1, 2, 3).contiguous(),
+        weight=torch.tensor([1.0, 3.0]),
+    ),
+    "cross_entropy_2d_weight_smoothing": lambda o, t: F.cross_entropy(
+        o.view(-1, 2, 2), (t["class"][:, None] % 2).expand(-1, 2).contiguous(), weight=torch.tensor([1.0, 2.0]), label_smoothing=0.2
+    ),
 }
 
 # Ops across the batch dim or without a DTensor strategy, as a model or loss would use them: the same
