@@ -510,8 +510,8 @@ class _Expander:
         if target in SIZE_ARG:
             index = SIZE_ARG[target]
             args[index] = shape
-            if target is aten.empty_strided.default:
-                args[1] = local_strides(out.tensor_meta.shape, out.tensor_meta.stride, shape)
+            if target in (aten.empty_strided.default, aten.new_empty_strided.default):
+                args[index + 1] = local_strides(out.tensor_meta.shape, out.tensor_meta.stride, shape)
         elif target is aten.repeat.default:
             src = self.spmd(node.args[0]).output
             src_shape = [1] * (len(shape) - len(src.tensor_meta.shape)) + local_shape(src)

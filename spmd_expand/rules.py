@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -82,7 +83,7 @@ from torch.distributed.tensor.experimental import register_sharding
 from . import rng
 from . import loss_parallel
 from .dsymint import DSymInt
-from .errors import UnsupportedOpError, node_error
+from .errors import UnsupportedOpError, node_error, user_source_line
 from .ops import GRADIENT, LAYOUT, UNSHARD
 from .spec import AS_PRODUCED, NodeSharding, replicate, spec_with_meta, tensor_spec
 
@@ -104,6 +105,7 @@ SIZE_ARG: dict[Any, int] = {
     aten.new_ones.default: 1,
     aten.new_empty.default: 1,
     aten.new_full.default: 1,
+    aten.new_empty_strided.default: 1,
     aten.zeros.default: 0,
     aten.ones.default: 0,
     aten.empty.memory_format: 0,
@@ -300,6 +302,27 @@ def split_rule(node: fx.Node, prop):
     wanted = spec_with_meta(prop.mesh, strided, src.tensor_meta)
     pieces = [tensor_spec(prop.mesh, src.placements, v) for v in node.meta["val"]]
     return NodeSharding(inputs=(wanted,), output=pieces)
+
+
+def unbind_rule(node: fx.Node, prop):
+    """``unbind`` along a dim the input is split on (``for row in batch:`` iterates with it): DTensor
+    refuses it, since the graph has one output per global row and a rank holds only some. The input
+    is gathered on that dim first, so every rank holds every row and computes what follows for all of
+    them (one device's work, with one device's values); a warning names the line."""
+    src = prop.output_of(node.args[0])
+    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % max(len(src.tensor_meta.shape), 1)
+    split = [isinstance(p, Shard) and p.dim == dim for p in src.placements]
+    if not any(split):
+        return None
+    warnings.warn(
+        f"spmd.compile: {user_source_line(node)} unbinds (iterates over) dim {dim}, which the plan splits "
+        f"across ranks: it is gathered, and every rank computes what follows for every row; a batched "
+        f"computation (one op over the whole dim) keeps the rows split",
+        stacklevel=2,
+    )
+    gathered = [Replicate() if s else p for s, p in zip(split, src.placements)]
+    wanted, output = prop._dtensor_place(node, prop.input_specs(node), {node.args[0]: spec_with_meta(prop.mesh, gathered, src.tensor_meta)})
+    return NodeSharding(inputs=tuple(wanted), output=output)
 
 
 def _mesh_size(prop, s: DSymInt) -> int:
@@ -518,7 +541,7 @@ _RULES: dict[Any, Callable] = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: attention_rule,
 }
 _RULES.update({op: factory_rule for op in FACTORY_OPS})
-_RULES.update({aten.split.Tensor: split_rule, aten.split_with_sizes.default: split_rule})
+_RULES.update({aten.split.Tensor: split_rule, aten.split_with_sizes.default: split_rule, aten.unbind.int: unbind_rule})
 _RULES.update(loss_parallel.RULES)
 _RULES[aten.cat.default] = cat_rule
 _RULES.update({aten._assert_async.default: assert_rule, aten._assert_async.msg: assert_rule})

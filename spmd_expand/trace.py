@@ -513,11 +513,31 @@ def _multilabel_margin(func: Callable, args: tuple, kwargs: dict) -> Optional[Ca
     return _multilabel_margin_loss if func is F.multilabel_margin_loss else None
 
 
+def _fill_diagonal_(input: torch.Tensor, fill_value: Any, wrap: bool = False) -> torch.Tensor:
+    """``input.fill_diagonal_(fill_value)`` of a matrix, as a fill of its ``diagonal()`` view."""
+    input.diagonal().fill_(fill_value)
+    return input
+
+
+def _fill_diagonal(func: Callable, args: tuple, kwargs: dict) -> Optional[Callable]:
+    """:func:`_fill_diagonal_` for ``Tensor.fill_diagonal_`` on a matrix (a contrastive loss masking
+    each row's similarity to itself), or None. ATen writes the diagonal through ``as_strided``, which
+    has no sharding rule (and whose strides would not describe a shard); ``diagonal`` does. Only where
+    the two agree: a 2-D tensor, and ``wrap`` off or a square one (a tall matrix with ``wrap``
+    starts the diagonal again below it)."""
+    if func is not torch.Tensor.fill_diagonal_ or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    input, wrap = args[0], (args[2] if len(args) > 2 else kwargs.get("wrap", False))
+    if input.dim() != 2 or (wrap and input.size(0) > input.size(1) + 1):
+        return None
+    return _fill_diagonal_
+
+
 def _equal_valued_form(func: Callable, args: tuple, kwargs: dict) -> Callable:
     """``func``, or a function computing the same values from the same arguments with ops that have
-    sharding rules (:func:`_global_average_pool`, :func:`_embedding_bag`, :func:`_bilinear`), or whose
-    traced form in torch is wrong (:func:`_multilabel_margin`)."""
-    for form in (_global_average_pool, _embedding_bag, _bilinear, _multilabel_margin):
+    sharding rules (:func:`_global_average_pool`, :func:`_embedding_bag`, :func:`_bilinear`,
+    :func:`_fill_diagonal`), or whose traced form in torch is wrong (:func:`_multilabel_margin`)."""
+    for form in (_global_average_pool, _embedding_bag, _bilinear, _fill_diagonal, _multilabel_margin):
         replacement = form(func, args, kwargs)
         if replacement is not None:
             return replacement
@@ -592,8 +612,8 @@ class _StepMode(TorchFunctionMode):
       once however often it is read (until a later backward accumulates into it again).
     * A few calls are recorded as equal-valued forms that every op of has a sharding rule:
       ``addcdiv_``/``addcmul_`` with a tensor ``value`` (:func:`_decompose_tensor_value`), an adaptive
-      average pool to size 1, ``embedding_bag`` of fixed-size bags, ``bilinear`` and
-      ``multilabel_margin_loss`` (:func:`_equal_valued_form`).
+      average pool to size 1, ``embedding_bag`` of fixed-size bags, ``bilinear``, a matrix's
+      ``fill_diagonal_`` and ``multilabel_margin_loss`` (:func:`_equal_valued_form`).
     """
 
     def __init__(

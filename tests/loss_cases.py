@@ -92,7 +92,28 @@ BATCH_OPS = {
     "std_global_logcumsumexp": lambda o, t: o.std() + o.var(unbiased=False) + torch.logcumsumexp(o, 0).sum(),
     "soft_targets_weighted_nll": lambda o, t: F.cross_entropy(o, t["prob"].softmax(-1))
     + F.nll_loss(F.log_softmax(o, -1), t["class"], weight=torch.arange(1.0, OUT + 1)),
+    # `for row in batch` (unbind over the split dim; it was refused): every rank computes every row.
+    "iterate_rows": lambda o, t: sum((row.softmax(0) * r).sum() for row, r in zip(o, t["real"])),
+    # SimCLR-style: each row's similarity to itself masked with fill_diagonal_ (ATen's as_strided).
+    "fill_diagonal_similarity": lambda o, t: F.cross_entropy(
+        (F.normalize(o, dim=1) @ F.normalize(o, dim=1).T).fill_diagonal_(-10.0), t["class"]
+    ),
+    # In-place writes to views of a split activation (autograd's backward allocates the base's
+    # gradient with new_empty_strided, whose global size was not localized: a raw RuntimeError).
+    "inplace_view_writes": lambda o, t: _written_views(o * 1).pow(2).sum(),
+    "inplace_diagonal_of_rows": lambda o, t: _halve_diagonal(o @ o.T).pow(2).sum(),
 }
+
+
+def _written_views(h: torch.Tensor) -> torch.Tensor:
+    h[:, 0] = 0
+    h[:, 1:3].mul_(2)
+    return h
+
+
+def _halve_diagonal(h: torch.Tensor) -> torch.Tensor:
+    h.diagonal().mul_(0.5)
+    return h
 
 
 def _step(loss_fn):
