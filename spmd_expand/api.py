@@ -151,7 +151,16 @@ def distribute_state(
     Raises:
         DivergenceError: before the first broadcast, when the ranks' models differ (names, shapes,
             dtypes, ``requires_grad``, placements; :mod:`spmd_expand.rank_check`).
+        PlanError: a parameter or buffer of a lazy module (``nn.LazyLinear``, ...) has no shape yet.
     """
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for fqn, t in named:
+            if nn.parameter.is_lazy(t):
+                raise PlanError(
+                    f"{kind} {fqn!r} of {type(model).__name__} is uninitialized (a lazy module, e.g. nn.LazyLinear, "
+                    f"creates it on its first call), so it has no shape to place: run the model once on one batch "
+                    f"before the first step (as torch's DDP and FSDP require), e.g. `with torch.no_grad(): model(x)`"
+                )
     if any(not isinstance(p, DTensor) for p in model.parameters()):
         check_ranks_agree(
             f"the parameters and buffers of {type(model).__name__}",

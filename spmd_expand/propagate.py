@@ -38,6 +38,9 @@ __all__ = ["propagate"]
 
 aten = torch.ops.aten
 
+# Reshapes: any layout of the input is a valid input (see _Propagator._gathered_view).
+_VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unflatten.int})
+
 # Ops without a rule whose usual caller has a form that has rules: what the error's fix says instead
 # of registering a rule.
 _FORM_WITH_RULES = {
@@ -169,7 +172,12 @@ class _Propagator:
         ops that act on each element alone without arithmetic (views, copies, ``stack``, ``cat``)
         and the norms themselves (which DTensor reduces correctly) keep it.
         """
-        sharding = self._dtensor_rule(node)
+        try:
+            sharding = self._dtensor_rule(node)
+        except PlacementError:
+            sharding = self._gathered_view(node)
+            if sharding is None:
+                raise
         if node.target in _NORM_PARTIAL_SAFE:
             return sharding
         relaid = {}
@@ -181,6 +189,29 @@ class _Propagator:
         if not relaid:
             return sharding
         wanted, output = self._dtensor_place(node, self.input_specs(node), relaid)
+        return NodeSharding(inputs=tuple(wanted), output=output)
+
+    def _gathered_view(self, node: fx.Node) -> Optional[NodeSharding]:
+        """A reshape DTensor refuses on a split input, placed on the input gathered (replicated) on
+        the mesh dims that split it; None for other ops, or where that is refused too.
+
+        DTensor (torch 2.13) cannot unflatten a dim whose shard boundaries do not fall between whole
+        rows of the new outer dim ("Cannot unflatten unevenly sharded tensor"): ``(T * B, E) ->
+        (T, B, E)`` with T not a multiple of the mesh size, which ``nn.MultiheadAttention``'s
+        ``need_weights=True`` path does to its output projection (split there on the cost model's
+        choice). A gathered input has every layout a view can ask for: an all-gather, not an error.
+        """
+        if node.target not in _VIEWS or not node.args or not isinstance(node.args[0], fx.Node):
+            return None
+        src = self.output_of(node.args[0])
+        if not isinstance(src, DTensorSpec) or not any(isinstance(p, Shard) for p in src.placements):
+            return None
+        gathered = [Replicate() if isinstance(p, Shard) else p for p in src.placements]
+        relaid = {node.args[0]: spec_with_meta(self.mesh, gathered, src.tensor_meta)}
+        try:
+            wanted, output = self._dtensor_place(node, self.input_specs(node), relaid)
+        except (UnsupportedOpError, PlacementError):
+            return None
         return NodeSharding(inputs=tuple(wanted), output=output)
 
     def _dtensor_rule(self, node: fx.Node) -> NodeSharding:

@@ -55,7 +55,8 @@
 
 * Pooling backward ops DTensor lacks (``avg_pool2d_backward``, ``adaptive_max_pool2d_backward``, the
   3-D ones, ...): split on the batch or channel dim, or replicated, like every operand
-  (registered with DTensor's ``register_sharding``, so DTensor itself places them).
+  (registered with DTensor's ``register_sharding``, so DTensor itself places them); replication
+  padding's backward ops likewise, split on any dim before the padded ones.
 
 * Random ops (every op tagged ``nondeterministic_seeded`` that draws): DTensor's own strategies for
   them let each rank draw its shard from its own generator, which gives every data-parallel rank the
@@ -577,6 +578,22 @@ def _pool_backward_sharding(grad_output, input, *args):
         others = [placement if is_tensor else None for is_tensor in tensor_args]
         strategies.append(([placement], [placement, placement, *others]))
     return strategies
+
+
+# Replication padding's backward ops (``nn.ReplicationPad1d/2d/3d``; DTensor has no rule and torch no
+# decomposition for them): the padded dims are the last ``len(padding) // 2``; every dim before them
+# (batch, channels) may be split, grad_output, input and grad_input alike; or all replicated.
+_PADDING_BACKWARD = [
+    aten.replication_pad1d_backward.default,
+    aten.replication_pad2d_backward.default,
+    aten.replication_pad3d_backward.default,
+]
+
+
+@register_sharding(_PADDING_BACKWARD)
+def _padding_backward_sharding(grad_output, input, padding):
+    unpadded = len(input.shape) - len(padding) // 2
+    return [([p], [p, p, None]) for p in [Replicate(), *(Shard(d) for d in range(unpadded))]]
 
 
 # ``fill`` (``t.fill_(v)``, and ``t[..., 0] = v``, which runs ``fill_.Tensor`` with ``v`` as a 0-d

@@ -533,11 +533,50 @@ def _fill_diagonal(func: Callable, args: tuple, kwargs: dict) -> Optional[Callab
     return _fill_diagonal_
 
 
+def _normalized_coordinates(steps: int, align_corners: bool, like: torch.Tensor) -> torch.Tensor:
+    """The ``steps`` sample positions of one axis in ``[-1, 1]``, as ATen's ``affine_grid`` spaces them
+    (``linspace_from_neg_one``): the corner pixels' centers with ``align_corners``, else their edges."""
+    if steps <= 1:
+        return torch.zeros(1, dtype=like.dtype, device=like.device)
+    line = torch.linspace(-1, 1, steps, dtype=like.dtype, device=like.device)
+    return line if align_corners else line * (steps - 1) / steps
+
+
+def _affine_grid_of(theta: torch.Tensor, size: Sequence[int], align_corners: Optional[bool] = None) -> torch.Tensor:
+    """``F.affine_grid``: the base grid of normalized ``(x, y[, z], 1)`` positions, ``(*spatial, k + 1)``,
+    times each ``theta`` (``(N, k, k + 1)``): ``(N, *spatial, k)``. ``align_corners=None`` is False, as
+    in torch."""
+    spatial = [int(n) for n in size[2:]]
+    axes = [_normalized_coordinates(n, bool(align_corners), theta) for n in spatial]  # z, y, x order
+    positions = torch.meshgrid(*axes, indexing="ij")
+    base = torch.stack([*reversed(positions), torch.ones_like(positions[0])], dim=-1)
+    return (base.reshape(1, -1, len(spatial) + 1) @ theta.transpose(1, 2)).unflatten(1, spatial)
+
+
+def _affine_grid(func: Callable, args: tuple, kwargs: dict) -> Optional[Callable]:
+    """:func:`_affine_grid_of` for ``F.affine_grid`` (spatial transformer networks), or None. The
+    backward of ATen's ``affine_grid_generator`` takes the grid's size as concrete integers, so a
+    batch size that is symbolic (as the trace keeps it) stopped ``loss.backward()``. Only a 4-D or
+    5-D size with integer spatial dims and a matching ``theta``; anything else keeps torch's path (and
+    its own errors)."""
+    if func is not F.affine_grid:
+        return None
+    theta = args[0] if args else kwargs.get("theta")
+    size = args[1] if len(args) > 1 else kwargs.get("size")
+    if not isinstance(theta, torch.Tensor) or not theta.is_floating_point() or theta.dim() != 3 or size is None:
+        return None
+    k = len(size) - 2
+    if k not in (2, 3) or tuple(theta.shape[1:]) != (k, k + 1) or not all(type(n) is int for n in size[2:]):
+        return None
+    return _affine_grid_of
+
+
 def _equal_valued_form(func: Callable, args: tuple, kwargs: dict) -> Callable:
     """``func``, or a function computing the same values from the same arguments with ops that have
     sharding rules (:func:`_global_average_pool`, :func:`_embedding_bag`, :func:`_bilinear`,
-    :func:`_fill_diagonal`), or whose traced form in torch is wrong (:func:`_multilabel_margin`)."""
-    for form in (_global_average_pool, _embedding_bag, _bilinear, _fill_diagonal, _multilabel_margin):
+    :func:`_fill_diagonal`), that traces with a symbolic batch size (:func:`_affine_grid`), or whose
+    traced form in torch is wrong (:func:`_multilabel_margin`)."""
+    for form in (_global_average_pool, _embedding_bag, _bilinear, _fill_diagonal, _affine_grid, _multilabel_margin):
         replacement = form(func, args, kwargs)
         if replacement is not None:
             return replacement
@@ -613,7 +652,7 @@ class _StepMode(TorchFunctionMode):
     * A few calls are recorded as equal-valued forms that every op of has a sharding rule:
       ``addcdiv_``/``addcmul_`` with a tensor ``value`` (:func:`_decompose_tensor_value`), an adaptive
       average pool to size 1, ``embedding_bag`` of fixed-size bags, ``bilinear``, a matrix's
-      ``fill_diagonal_`` and ``multilabel_margin_loss`` (:func:`_equal_valued_form`).
+      ``fill_diagonal_``, ``affine_grid`` and ``multilabel_margin_loss`` (:func:`_equal_valued_form`).
     """
 
     def __init__(

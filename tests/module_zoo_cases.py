@@ -74,6 +74,48 @@ class _Attention(nn.Module):
         return self.out(self.mha(x, x, x, need_weights=False)[0].mean(1))
 
 
+class _AttentionWeights(nn.Module):
+    """``nn.MultiheadAttention``'s default ``need_weights=True`` path (explicit softmax, averaged weights
+    returned), with key/value of another width (``kdim``/``vdim``), a key padding mask and a causal mask.
+    Its output projection's ``(T * B, E) -> (T, B, E)`` reshape stopped DTensor when T (5) is not a
+    multiple of the mesh size."""
+
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(16, 4, batch_first=True, kdim=8, vdim=8)
+        self.out = nn.Linear(16, CLASSES)
+
+    def forward(self, x):
+        kv = x[..., :8]
+        padding = torch.zeros(x.size(0), x.size(1), dtype=torch.bool)
+        padding[:, -1] = True
+        causal = torch.triu(torch.ones(x.size(1), x.size(1), dtype=torch.bool), 1)
+        out, weights = self.mha(x, kv, kv, key_padding_mask=padding, attn_mask=causal)
+        return self.out(out.mean(1)) + weights.sum((1, 2))[:, None]
+
+
+class _SpatialTransformer(nn.Module):
+    """torch's spatial transformer tutorial: ``affine_grid`` from a predicted ``theta``, then
+    ``grid_sample`` (the backward of ATen's ``affine_grid_generator`` needs a concrete batch size)."""
+
+    def __init__(self):
+        super().__init__()
+        self.localization = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 6))
+        self.out = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, CLASSES))
+
+    def forward(self, x):
+        theta = self.localization(x).view(-1, 2, 3)
+        grid = F.affine_grid(theta, x.size())
+        return self.out(F.grid_sample(x, grid, align_corners=False))
+
+
+def _pads():
+    return nn.Sequential(
+        nn.ReplicationPad2d(1), nn.Conv2d(3, 4, 3), nn.Flatten(2), nn.ReplicationPad1d(2), nn.ReflectionPad1d(1),
+        nn.CircularPad1d(1), nn.Flatten(), nn.Linear(4 * 72, CLASSES),
+    )
+
+
 class _Encoder(nn.Module):
     def __init__(self):
         super().__init__()
@@ -212,6 +254,9 @@ MODELS = {
     "upsample_pixelshuffle": (_upsample, _images),
     "norms_activations": (_misc, lambda g: torch.randn(B, 6, generator=g)),
     "multihead_attention": (_Attention, _sequences),
+    "multihead_attention_weights_masks_kdim": (_AttentionWeights, _sequences),
+    "spatial_transformer": (_SpatialTransformer, _images),
+    "replication_reflection_circular_pads": (_pads, _images),
     "token_pool_adaptive_avg_pool1d": (_TokenPool, _sequences),
     "channels_last_cnn": (_channels_last_cnn, lambda g: _images(g).to(memory_format=torch.channels_last)),
     "transformer_encoder": (_Encoder, _sequences),

@@ -314,6 +314,15 @@ def test_optimizer_parameter_outside_the_model(fake_mesh):
         ddp(fake_mesh, _item_step)(model, optimizer, torch.randn(4, 8))
 
 
+def test_a_lazy_module_not_yet_run_names_the_parameter_and_the_fix(fake_mesh):
+    """nn.LazyLinear has no weight shape before its first call: a PlanError, not torch's error from
+    reading that shape while placing it."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.LazyLinear(4))
+    with pytest.raises(spmd.PlanError, match=r"parameter '2.weight' of Sequential is uninitialized") as info:
+        ddp(fake_mesh, _item_step)(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 8))
+    assert "run the model once on one batch" in str(info.value)
+
+
 CLASS_WEIGHTS = torch.tensor([1.0, 2.0, 0.5, 1.0])  # a global tensor, not a buffer of the model
 
 
