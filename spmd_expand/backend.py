@@ -140,6 +140,7 @@ def parallelize(
                 # A meta buffer has no values to broadcast (meta-device initialization).
                 module._buffers[name] = distribute_tensor(buf, mesh, replicate(mesh), src_data_rank=None if buf.is_meta else 0)
 
+    _reduce_gradients_computed_eagerly(model, mesh, resolved)
     _read_parameters_in_compute_placements(model, resolved)
     _warn_about_kv_cache(model, resolved)
     _wrap_forward(model, mesh, resolved)
@@ -205,6 +206,44 @@ def _wrap_forward(model: nn.Module, mesh: DeviceMesh, resolved: ResolvedPlan) ->
         return pytree.tree_map_only(DTensor, to_local, output)
 
     model.forward = types.MethodType(forward, model)
+
+
+def _reduce_gradients_computed_eagerly(model: nn.Module, mesh: DeviceMesh, resolved: ResolvedPlan) -> None:
+    """After a parameter's gradient is accumulated, bring it to the plan's gradient placements if it is
+    not there yet (an all-reduce from ``Partial`` under DDP, a reduce-scatter under FSDP), warning once.
+
+    A gradient our compiled graphs produce already is (DDP: replicated, FSDP: its shard): the hook
+    compares placements and returns. One that is not came from DTensor's eager autograd: Dynamo ran
+    part of the model eagerly. A graph break inside a module of ``torch.nn`` (an ``nn.Sequential``
+    whose child breaks, e.g. on ``F.interpolate``, whose traced decomposition DTensor cannot place)
+    runs that module's whole forward eagerly, on the DTensor parameters. Its values are right (the
+    compiled graph of the model's result scales each rank's loss by ``1 / data-parallel size``), but
+    eager DTensor leaves a data-parallel gradient ``Partial``: the optimizer would reduce it again in
+    every op that reads it, and code reading ``grad.to_local()`` would see one rank's part.
+    """
+    reduced: list[str] = []
+    for fqn, param in model.named_parameters():
+        wanted = resolved.grad_placements(fqn, param)
+        if not param.requires_grad or wanted is None:
+            continue
+
+        def reduce(p: torch.Tensor, fqn: str = fqn, wanted: tuple = tuple(wanted)) -> None:
+            grad = p.grad
+            if not isinstance(grad, DTensor) or tuple(grad.placements) == wanted:
+                return
+            if not reduced:
+                warnings.warn(
+                    f"torch.compile(backend=\"spmd\"): the gradient of {fqn} came from eager DTensor code, not "
+                    f"from a graph spmd_expand compiled (Dynamo ran part of the model eagerly: a graph break inside "
+                    f"a torch.nn module runs that module's whole forward eagerly; TORCH_LOGS=graph_breaks shows "
+                    f"where). Such gradients are reduced to the plan's placements after backward, one collective "
+                    f"per parameter, neither bucketed nor overlapped",
+                    stacklevel=2,
+                )
+            reduced.append(fqn)
+            p.grad = grad.redistribute(mesh, wanted)
+
+        param.register_post_accumulate_grad_hook(reduce)
 
 
 def _read_parameters_in_compute_placements(model: nn.Module, resolved: ResolvedPlan) -> None:

@@ -73,6 +73,19 @@ class BreakMLP(nn.Module):
         return self.fc3(h)
 
 
+class _Break(nn.Module):
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return x
+
+
+def nested_break_mlp() -> nn.Module:
+    """A graph break inside a child of an ``nn.Sequential``: Dynamo runs the whole Sequential eagerly,
+    on the DTensor parameters (their gradients came out ``Partial``, not reduced per the plan)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 24), nn.GELU(), _Break(), nn.Linear(24, 5))
+
+
 class Recurrent(nn.Module):
     """Embedding, LSTM, classifier: torch's word-language-model shape."""
 
@@ -144,6 +157,7 @@ LOOPS = {
     "gpt": Loop(lambda: build_gpt(GPT_CONFIG, seed=0), _tokens, _lm_loss, GPT_TP),
     "gpt_loss_inside": Loop(lambda: build_gpt(GPT_CONFIG, seed=0), _tokens, _lm_loss_inside, GPT_TP),
     "graph_break": Loop(lambda: torch.manual_seed(0) and BreakMLP(), _xy, _ce),
+    "nested_graph_break": Loop(nested_break_mlp, _xy, _ce),
     "graph_break_accumulate": Loop(lambda: torch.manual_seed(0) and BreakMLP(), _xy, _two_shapes_accumulated),
     "llama": Loop(_llama, _llama_tokens, _llama_loss, lambda m: spmd.TensorParallel.from_huggingface(m).plan),
     "t5": Loop(_t5, _t5_batch, _t5_loss),
