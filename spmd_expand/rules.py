@@ -55,8 +55,8 @@
 
 * Pooling backward ops DTensor lacks (``avg_pool2d_backward``, ``adaptive_max_pool2d_backward``, the
   3-D ones, ...): split on the batch or channel dim, or replicated, like every operand
-  (registered with DTensor's ``register_sharding``, so DTensor itself places them); replication
-  padding's backward ops likewise, split on any dim before the padded ones.
+  (registered with DTensor's ``register_sharding``, so DTensor itself places them); reflection and
+  replication padding and their backward ops likewise, split on any dim before the padded ones.
 
 * Random ops (every op tagged ``nondeterministic_seeded`` that draws): DTensor's own strategies for
   them let each rank draw its shard from its own generator, which gives every data-parallel rank the
@@ -580,20 +580,28 @@ def _pool_backward_sharding(grad_output, input, *args):
     return strategies
 
 
-# Replication padding's backward ops (``nn.ReplicationPad1d/2d/3d``; DTensor has no rule and torch no
-# decomposition for them): the padded dims are the last ``len(padding) // 2``; every dim before them
-# (batch, channels) may be split, grad_output, input and grad_input alike; or all replicated.
-_PADDING_BACKWARD = [
-    aten.replication_pad1d_backward.default,
-    aten.replication_pad2d_backward.default,
-    aten.replication_pad3d_backward.default,
-]
+# Reflection and replication padding (``nn.ReflectionPad1d/2d/3d``, ``nn.ReplicationPad1d/2d/3d``,
+# ``F.pad(mode="reflect" | "replicate")``) and their backward ops, which DTensor has no rule for (torch
+# 2.13; the replication backward ops have no decomposition either, and under
+# ``torch.compile(backend="spmd")`` Dynamo runs DTensor's rules, not decompositions). The padded dims
+# are the last ``len(padding) // 2``; every dim before them (batch, channels) may be split, all
+# tensors alike; or all replicated. The fused kernels stay in the graph.
+_PADDING = [getattr(aten, f"{mode}_pad{d}d").default for mode in ("reflection", "replication") for d in (1, 2, 3)]
+_PADDING_BACKWARD = [getattr(aten, f"{mode}_pad{d}d_backward").default for mode in ("reflection", "replication") for d in (1, 2, 3)]
+
+
+def _unpadded_placements(input, padding) -> list:
+    return [Replicate(), *(Shard(d) for d in range(len(input.shape) - len(padding) // 2))]
+
+
+@register_sharding(_PADDING)
+def _padding_sharding(input, padding):
+    return [([p], [p, None]) for p in _unpadded_placements(input, padding)]
 
 
 @register_sharding(_PADDING_BACKWARD)
 def _padding_backward_sharding(grad_output, input, padding):
-    unpadded = len(input.shape) - len(padding) // 2
-    return [([p], [p, p, None]) for p in [Replicate(), *(Shard(d) for d in range(unpadded))]]
+    return [([p], [p, p, None]) for p in _unpadded_placements(input, padding)]
 
 
 # ``fill`` (``t.fill_(v)``, and ``t[..., 0] = v``, which runs ``fill_.Tensor`` with ``v`` as a 0-d

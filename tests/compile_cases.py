@@ -21,6 +21,7 @@ from spmd_expand.backend import stats
 from spmd_expand.plans import resolve_plan
 from spmd_expand.spec import local_slice
 
+import module_zoo_cases
 from cases import GPT_CONFIG, GPT_TP, PLANS, make_mesh
 from spmd_expand.app.models import build_gpt
 
@@ -101,6 +102,10 @@ def _ids_y(g):
     return torch.randint(0, 20, (8, 5), generator=g), torch.randint(0, 5, (8,), generator=g)
 
 
+def _images_classes(g):
+    return torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, module_zoo_cases.CLASSES, (8,), generator=g)
+
+
 def _xy(g):
     return torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)
 
@@ -158,6 +163,9 @@ LOOPS = {
     "gpt_loss_inside": Loop(lambda: build_gpt(GPT_CONFIG, seed=0), _tokens, _lm_loss_inside, GPT_TP),
     "graph_break": Loop(lambda: torch.manual_seed(0) and BreakMLP(), _xy, _ce),
     "nested_graph_break": Loop(nested_break_mlp, _xy, _ce),
+    # Reflection, replication and circular padding: DTensor had no rule for the first two (Dynamo
+    # runs DTensor's rules while it captures).
+    "padded_cnn": Loop(lambda: torch.manual_seed(0) and module_zoo_cases._pads(), _images_classes, _ce),
     "graph_break_accumulate": Loop(lambda: torch.manual_seed(0) and BreakMLP(), _xy, _two_shapes_accumulated),
     "llama": Loop(_llama, _llama_tokens, _llama_loss, lambda m: spmd.TensorParallel.from_huggingface(m).plan),
     "t5": Loop(_t5, _t5_batch, _t5_loss),

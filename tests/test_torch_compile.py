@@ -30,6 +30,7 @@ RUNS_W2 = [
     ("gpt_loss_inside", "fsdp", "eager"),
     ("graph_break", "fsdp", "eager"),
     ("nested_graph_break", "ddp", "eager"),
+    ("padded_cnn", "ddp", "eager"),
     ("lstm", "ddp", "eager"),
     ("graph_break_accumulate", "ddp", "eager"),
     ("llama", "ddp", "eager"),
