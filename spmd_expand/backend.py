@@ -63,7 +63,7 @@ from .passes import resolve_passes
 from .pipeline import JointArtifacts, expand_joint
 from .plans import Plan, ResolvedPlan, TensorParallel, _DataParallel, resolve_plan
 from .spec import replicate
-from .trace import InputRole, TensorSpec, TracedStep
+from .trace import EqualForms, InputRole, TensorSpec, TracedStep
 from .watch import as_timedelta, set_group_timeouts
 
 __all__ = ["parallelize", "spmd_backend", "BackendStats", "stats"]
@@ -202,7 +202,8 @@ def _wrap_forward(model: nn.Module, mesh: DeviceMesh, resolved: ResolvedPlan) ->
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         _require_compiling()
         args, kwargs = pytree.tree_map_only(torch.Tensor, to_dtensor, (args, kwargs))
-        output = inner(*args, **kwargs) if inner is not None else class_forward(self, *args, **kwargs)
+        with EqualForms():
+            output = inner(*args, **kwargs) if inner is not None else class_forward(self, *args, **kwargs)
         return pytree.tree_map_only(DTensor, to_local, output)
 
     model.forward = types.MethodType(forward, model)
@@ -271,6 +272,8 @@ def _read_parameters_in_compute_placements(model: nn.Module, resolved: ResolvedP
                 views[name] = _compute_view(name, compute)
         if views:
             cls = type(module)
+            if isinstance(module, nn.RNNBase):
+                views.update(_RNN_COMPUTE_WEIGHTS)
             module.__class__ = type(cls.__name__, (cls,), {**views, "__module__": cls.__module__})
 
 
@@ -286,6 +289,31 @@ def _warn_about_kv_cache(model: nn.Module, resolved: ResolvedPlan) -> None:
             "model.config.use_cache = False or call the model with use_cache=False",
             stacklevel=2,
         )
+
+
+def _flat_weights(module: nn.RNNBase) -> list:
+    if torch.compiler.is_compiling():
+        return [getattr(module, name, None) for name in module._flat_weights_names]
+    return module.__dict__["_flat_weights"]
+
+
+def _set_flat_weights(module: nn.RNNBase, weights: list) -> None:
+    module.__dict__["_flat_weights"] = weights
+
+
+def _update_flat_weights(module: nn.RNNBase) -> None:
+    if not torch.compiler.is_compiling():
+        nn.RNNBase._update_flat_weights(module)
+
+
+# nn.LSTM / GRU / RNN compute with ``self._flat_weights``, a list of their parameters it refreshes when
+# ``getattr`` returns other tensors than last time, which the compute views always do: each call
+# rebuilt the list inside the graph and Dynamo compiled a second time on the weak references it
+# keeps. While compiling, the list is read from the compute views, with no refresh.
+_RNN_COMPUTE_WEIGHTS = {
+    "_flat_weights": property(_flat_weights, _set_flat_weights),
+    "_update_flat_weights": _update_flat_weights,
+}
 
 
 def _compute_view(name: str, placements: tuple) -> property:
@@ -336,20 +364,27 @@ def _replicate_plain_tensors_while_tracing() -> None:
     callback_handler.register_end_callback(_on_compile_end)
 
 
-_SAVED_TRACING_FLAGS: list[tuple[bool, bool]] = []
+_SAVED_TRACING_FLAGS: list[tuple[bool, bool, bool]] = []
 
 
 def _on_compile_start(_args) -> None:
-    _SAVED_TRACING_FLAGS.append((torch._C._get_dtensor_allow_implicit_replication(), torch._dynamo.config.automatic_dynamic_shapes))
+    _SAVED_TRACING_FLAGS.append(
+        (torch._C._get_dtensor_allow_implicit_replication(), torch._dynamo.config.automatic_dynamic_shapes, torch._C._get_mkldnn_enabled())
+    )
     torch._C._set_dtensor_allow_implicit_replication(True)
     # Our stages compile static shapes: a new shape is a new graph, never a symbolic size.
     torch._dynamo.config.automatic_dynamic_shapes = False
+    # An LSTM on CPU is then captured as torch's decomposition into matmuls and pointwise ops, which
+    # DTensor places, not as oneDNN's fused layer (mkldnn_rnn_layer), which it cannot (as spmd.compile
+    # traces it).
+    torch._C._set_mkldnn_enabled(False)
 
 
 def _on_compile_end(_args) -> None:
-    implicit, automatic = _SAVED_TRACING_FLAGS.pop() if _SAVED_TRACING_FLAGS else (False, True)
+    implicit, automatic, onednn = _SAVED_TRACING_FLAGS.pop() if _SAVED_TRACING_FLAGS else (False, True, True)
     torch._C._set_dtensor_allow_implicit_replication(implicit)
     torch._dynamo.config.automatic_dynamic_shapes = automatic
+    torch._C._set_mkldnn_enabled(onednn)
 
 
 # ---------------------------------------------------------------------------------------------- backend

@@ -583,6 +583,16 @@ def _equal_valued_form(func: Callable, args: tuple, kwargs: dict) -> Callable:
     return func
 
 
+class EqualForms(TorchFunctionMode):
+    """Records the calls :func:`_equal_valued_form` rewrites in their equal forms, and every other call
+    as it is: the part of :class:`_StepMode` that ``torch.compile(backend="spmd")`` needs, where
+    Dynamo (tracing this mode) runs DTensor's rules, which lack the fused kernels these avoid."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        return _equal_valued_form(func, args, kwargs)(*args, **kwargs)
+
+
 def _mutates_first_arg(func: Callable) -> bool:
     name = getattr(func, "__name__", "")
     return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i") or name == "__setitem__"

@@ -98,6 +98,25 @@ class Recurrent(nn.Module):
         return self.out(self.rnn(self.emb(ids))[0][:, -1])
 
 
+class FusedKernels(nn.Module):
+    """Layers whose fused ATen kernels DTensor has no rule for, which Dynamo met while capturing (it
+    runs DTensor's rules): EmbeddingBag (2-D bags), a token pool over a transposed tensor (Swin's
+    ``AdaptiveAvgPool1d(1)``, restrided with ``as_strided_``), Bilinear, a 2-layer LSTM (oneDNN's
+    layer). The backend's forward records them in spmd_expand's equal forms (``trace.EqualForms``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(20, 6, mode="mean", padding_idx=0)
+        self.emb = nn.Embedding(20, 6)
+        self.rnn = nn.LSTM(6, 6, num_layers=2, batch_first=True)
+        self.pool = nn.AdaptiveAvgPool1d(1)
+        self.mix = nn.Bilinear(6, 6, 5)
+
+    def forward(self, ids):
+        tokens = self.rnn(self.emb(ids))[0]
+        return self.mix(self.bag(ids), self.pool(tokens.transpose(1, 2)).flatten(1))
+
+
 def _ids_y(g):
     return torch.randint(0, 20, (8, 5), generator=g), torch.randint(0, 5, (8,), generator=g)
 
@@ -163,6 +182,7 @@ LOOPS = {
     "gpt_loss_inside": Loop(lambda: build_gpt(GPT_CONFIG, seed=0), _tokens, _lm_loss_inside, GPT_TP),
     "graph_break": Loop(lambda: torch.manual_seed(0) and BreakMLP(), _xy, _ce),
     "nested_graph_break": Loop(nested_break_mlp, _xy, _ce),
+    "fused_kernels": Loop(lambda: torch.manual_seed(0) and FusedKernels(), _ids_y, _ce, allow_rnn=True),
     # Reflection, replication and circular padding: DTensor had no rule for the first two (Dynamo
     # runs DTensor's rules while it captures).
     "padded_cnn": Loop(lambda: torch.manual_seed(0) and module_zoo_cases._pads(), _images_classes, _ce),

@@ -31,6 +31,8 @@ RUNS_W2 = [
     ("graph_break", "fsdp", "eager"),
     ("nested_graph_break", "ddp", "eager"),
     ("padded_cnn", "ddp", "eager"),
+    ("fused_kernels", "ddp", "eager"),
+    ("fused_kernels", "fsdp", "eager"),
     ("lstm", "ddp", "eager"),
     ("graph_break_accumulate", "ddp", "eager"),
     ("llama", "ddp", "eager"),
