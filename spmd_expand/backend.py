@@ -63,7 +63,8 @@ from .passes import resolve_passes
 from .pipeline import JointArtifacts, expand_joint
 from .plans import Plan, ResolvedPlan, TensorParallel, _DataParallel, resolve_plan
 from .spec import replicate
-from .trace import EqualForms, InputRole, TensorSpec, TracedStep
+from .forms import EqualForms
+from .trace import InputRole, TensorSpec, TracedStep
 from .watch import as_timedelta, set_group_timeouts
 
 __all__ = ["parallelize", "spmd_backend", "BackendStats", "stats"]

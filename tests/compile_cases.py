@@ -102,7 +102,7 @@ class FusedKernels(nn.Module):
     """Layers whose fused ATen kernels DTensor has no rule for, which Dynamo met while capturing (it
     runs DTensor's rules): EmbeddingBag (2-D bags), a token pool over a transposed tensor (Swin's
     ``AdaptiveAvgPool1d(1)``, restrided with ``as_strided_``), Bilinear, a 2-layer LSTM (oneDNN's
-    layer). The backend's forward records them in spmd_expand's equal forms (``trace.EqualForms``)."""
+    layer). The backend's forward records them in spmd_expand's equal forms (``forms.EqualForms``)."""
 
     def __init__(self):
         super().__init__()

@@ -9,7 +9,7 @@ import torch
 import module_zoo_cases as zoo
 import torch.nn.functional as F
 from spmd_expand.app.launch import run_local
-from spmd_expand.trace import _embedding_bag_of_rows
+from spmd_expand.forms import _embedding_bag_of_rows
 
 FSDP = [
     "conv2d_groupnorm_pools", "conv3d_pools", "token_pool_adaptive_avg_pool1d", "transformer_encoder",

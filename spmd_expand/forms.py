@@ -1,0 +1,258 @@
+"""Equal-valued forms: calls the trace records as other ops that compute the same values.
+
+Each form answers one call of the user's step (seen by a torch-function mode, before any ATen op runs)
+with a function of the same arguments whose ops every stage can handle, where torch's own path would
+stop or go wrong:
+
+* ops with no sharding rule, in DTensor or here: an adaptive average pool to size 1 (ATen restrides a
+  channels-last result with ``as_strided_``), ``F.embedding_bag`` over fixed-size bags, ``F.bilinear``
+  (``_trilinear``), a matrix's ``fill_diagonal_`` (``as_strided``);
+* an op whose backward needs a concrete batch size: ``F.affine_grid``;
+* an op whose traced form in torch 2.13 is wrong: ``F.multilabel_margin_loss``.
+
+:func:`equal_valued_form` picks the form; ``trace._StepMode`` uses it while ``spmd.compile`` traces the
+step, and :class:`EqualForms` applies it around a parallelized model's forward under
+``torch.compile(backend="spmd")``, where Dynamo traces the mode. Each form's docstring says what it
+replaces and why; the module-zoo and loss tests compare them with one device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["EqualForms", "equal_valued_form"]
+
+
+def _mean_over_last(dims: int) -> Callable:
+    def mean_over_pooled_dims(input: torch.Tensor, output_size: Any) -> torch.Tensor:
+        return input.mean(tuple(range(-dims, 0)), keepdim=True)
+
+    return mean_over_pooled_dims
+
+
+# Adaptive average pooling to size 1 (a global average pool: ``nn.AdaptiveAvgPool1d(1)`` over tokens in
+# Swin's pooler, ``AdaptiveAvgPool2d(1)`` in ResNets): pooled dims, and the mean that computes it.
+_ADAPTIVE_AVG_POOLS = {
+    torch.adaptive_avg_pool1d: (1, _mean_over_last(1)),
+    torch.nn.functional.adaptive_avg_pool2d: (2, _mean_over_last(2)),
+    torch.nn.functional.adaptive_avg_pool3d: (3, _mean_over_last(3)),
+}
+
+
+def _global_average_pool(func: Callable, args: tuple, kwargs: dict) -> Optional[Callable]:
+    """``mean`` over the pooled dims for an adaptive average pool to size 1, or None.
+
+    ATen computes that pool (``adaptive_avg_pool2d``/``3d``, CompositeImplicit, and ``1d`` through
+    ``2d``) as ``input.mean(dims, keepdim=True)``, then, for a channels-last input (a transposed
+    ``(batch, channels, tokens)`` tensor is one), ``as_strided_`` to channels-last strides. The mean
+    is the same values; the restride has no sharding rule, and autograd records its backward as
+    ``as_strided`` into a zero buffer of the storage's size, which none has either. Traced as the
+    mean alone, both are gone; only the output's strides differ (contiguous).
+    """
+    dims, mean = _ADAPTIVE_AVG_POOLS.get(func, (0, None))
+    if mean is None:
+        return None
+    output_size = args[1] if len(args) > 1 else kwargs.get("output_size")
+    sizes = (output_size,) * dims if isinstance(output_size, int) else tuple(output_size or ())
+    if len(sizes) != dims or any(type(size) is not int or size != 1 for size in sizes):
+        return None
+    return mean
+
+
+def _embedding_bag_of_rows(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    offsets: Optional[torch.Tensor] = None,
+    max_norm: Optional[float] = None,
+    norm_type: float = 2.0,
+    scale_grad_by_freq: bool = False,
+    mode: str = "mean",
+    sparse: bool = False,
+    per_sample_weights: Optional[torch.Tensor] = None,
+    include_last_offset: bool = False,
+    padding_idx: Optional[int] = None,
+) -> torch.Tensor:
+    """``F.embedding_bag`` of a 2-D ``(bags, bag_size)`` input as ``F.embedding`` and a reduction over
+    each bag: ``(bags, dim)``. Entries equal to ``padding_idx`` are left out of every mode (a bag of
+    padding alone gives zeros), as ATen's ``_embedding_bag`` does."""
+    rows = F.embedding(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights.unsqueeze(-1)
+    kept = None if padding_idx is None else (input != padding_idx % weight.size(0)).unsqueeze(-1)
+    if mode == "max":
+        if kept is None:
+            return rows.max(1).values
+        return rows.masked_fill(~kept, float("-inf")).max(1).values.masked_fill(~kept.any(1), 0)
+    total = (rows if kept is None else rows * kept).sum(1)
+    if mode == "sum":
+        return total
+    return total / (input.size(1) if kept is None else kept.sum(1).clamp(min=1))
+
+
+def _embedding_bag(func: Callable, args: tuple, kwargs: dict) -> Optional[Callable]:
+    """:func:`_embedding_bag_of_rows` for ``F.embedding_bag`` over a 2-D input (``nn.EmbeddingBag(x)``
+    with fixed-size bags, as in DLRM), or None.
+
+    ``F.embedding_bag`` flattens a 2-D input and builds its bag offsets with ``arange(0, numel,
+    bag_size)``: offsets into the *global* flattened batch, which no rank's shard of the batch can use,
+    and ATen's fused ``_embedding_bag`` has no sharding rule. The embedding and the per-bag reduction
+    split on the batch dim like any other rows (and column-wise under tensor parallelism). The fused
+    kernel does not hold the ``(bags, bag_size, dim)`` rows that this form does. A 1-D input with
+    explicit ``offsets`` is not rewritten (and is refused by the op's missing rule). Calls
+    ``F.embedding_bag`` itself refuses (a ``mode`` it does not know, ``per_sample_weights`` outside
+    ``"sum"``, ...) keep its own error.
+    """
+    if func is not F.embedding_bag:
+        return None
+    names = ("input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq", "mode", "sparse", "per_sample_weights")
+    bound = {**dict(zip(names, args)), **kwargs}
+    input, weight, weights = bound.get("input"), bound.get("weight"), bound.get("per_sample_weights")
+    mode = bound.get("mode", "mean")
+    usable = (
+        isinstance(input, torch.Tensor)
+        and isinstance(weight, torch.Tensor)
+        and input.dim() == 2
+        and not input.is_nested
+        and not input.is_floating_point()
+        and weight.dim() == 2
+        and bound.get("offsets") is None
+        and mode in ("sum", "mean", "max")
+        and (weights is None or (mode == "sum" and weights.shape == input.shape))
+        and not (mode == "max" and (bound.get("scale_grad_by_freq") or bound.get("sparse")))
+    )
+    return _embedding_bag_of_rows if usable else None
+
+
+def _bilinear_as_einsum(
+    input1: torch.Tensor, input2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """``F.bilinear``: ``y[..., o] = sum_ij x1[..., i] W[o, i, j] x2[..., j] + b[o]``, as ``einsum``."""
+    out = torch.einsum("...i,oij,...j->...o", input1, weight, input2)
+    return out if bias is None else out + bias
+
+
+def _bilinear(func: Callable, args: tuple, kwargs: dict) -> Optional[Callable]:
+    """``einsum`` for ``F.bilinear`` (``nn.Bilinear``), or None: ATen's ``_trilinear`` has no sharding
+    rule; the einsum's matmuls split on the batch dims. Same values up to summation order."""
+    return _bilinear_as_einsum if func is F.bilinear else None
+
+
+def _multilabel_margin_loss(
+    input: torch.Tensor,
+    target: torch.Tensor,
+    size_average: Optional[bool] = None,
+    reduce: Optional[bool] = None,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """``F.multilabel_margin_loss``, as ATen's kernel defines it: row ``b``'s targets are ``target[b]``
+    up to its first negative entry, and its loss is ``sum_{j target, i not target} relu(1 - x[j] +
+    x[i]) / C``; then ``reduction`` over the rows. ``input``/``target``: ``(C,)`` or ``(N, C)``.
+
+    Traced in place of torch's: make_fx runs torch's Python decomposition of
+    ``multilabel_margin_loss_forward`` (``torch/_decomp/decompositions.py``), which in torch 2.13 still
+    counts the slots after a target row's ``-1`` end marker as targets (pytorch/pytorch#141017, fixed
+    after 2.13), so the traced loss and gradients differed from eager's, on one rank as on many.
+    """
+    if size_average is not None or reduce is not None:
+        reduction = torch.nn._reduction.legacy_get_string(size_average, reduce)
+    x, y = (input, target) if input.dim() == 2 else (input.unsqueeze(0), target.unsqueeze(0))
+    classes = torch.arange(x.size(1), device=x.device)
+    slots = (y >= 0).cumprod(1).bool()  # (N, slot): before the row's first negative entry
+    is_target = ((y.unsqueeze(-1) == classes) & slots.unsqueeze(-1)).any(1)  # (N, C)
+    target_scores = x.gather(1, y.clamp(min=0))  # (N, slot)
+    margins = torch.relu(1 - target_scores.unsqueeze(-1) + x.unsqueeze(1))  # (N, slot, C)
+    rows = (margins * (slots.unsqueeze(-1) & ~is_target.unsqueeze(1))).sum((1, 2)) / x.size(1)
+    if reduction == "mean":
+        return rows.mean()
+    if reduction == "sum":
+        return rows.sum()
+    return rows if input.dim() == 2 else rows[0]
+
+
+def _multilabel_margin(func: Callable, args: tuple, kwargs: dict) -> Optional[Callable]:
+    """:func:`_multilabel_margin_loss` for ``F.multilabel_margin_loss`` (``nn.MultiLabelMarginLoss``)."""
+    return _multilabel_margin_loss if func is F.multilabel_margin_loss else None
+
+
+def _fill_diagonal_(input: torch.Tensor, fill_value: Any, wrap: bool = False) -> torch.Tensor:
+    """``input.fill_diagonal_(fill_value)`` of a matrix, as a fill of its ``diagonal()`` view."""
+    input.diagonal().fill_(fill_value)
+    return input
+
+
+def _fill_diagonal(func: Callable, args: tuple, kwargs: dict) -> Optional[Callable]:
+    """:func:`_fill_diagonal_` for ``Tensor.fill_diagonal_`` on a matrix (a contrastive loss masking
+    each row's similarity to itself), or None. ATen writes the diagonal through ``as_strided``, which
+    has no sharding rule (and whose strides would not describe a shard); ``diagonal`` does. Only where
+    the two agree: a 2-D tensor, and ``wrap`` off or a square one (a tall matrix with ``wrap``
+    starts the diagonal again below it)."""
+    if func is not torch.Tensor.fill_diagonal_ or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    input, wrap = args[0], (args[2] if len(args) > 2 else kwargs.get("wrap", False))
+    if input.dim() != 2 or (wrap and input.size(0) > input.size(1) + 1):
+        return None
+    return _fill_diagonal_
+
+
+def _normalized_coordinates(steps: int, align_corners: bool, like: torch.Tensor) -> torch.Tensor:
+    """The ``steps`` sample positions of one axis in ``[-1, 1]``, as ATen's ``affine_grid`` spaces them
+    (``linspace_from_neg_one``): the corner pixels' centers with ``align_corners``, else their edges."""
+    if steps <= 1:
+        return torch.zeros(1, dtype=like.dtype, device=like.device)
+    line = torch.linspace(-1, 1, steps, dtype=like.dtype, device=like.device)
+    return line if align_corners else line * (steps - 1) / steps
+
+
+def _affine_grid_of(theta: torch.Tensor, size: Sequence[int], align_corners: Optional[bool] = None) -> torch.Tensor:
+    """``F.affine_grid``: the base grid of normalized ``(x, y[, z], 1)`` positions, ``(*spatial, k + 1)``,
+    times each ``theta`` (``(N, k, k + 1)``): ``(N, *spatial, k)``. ``align_corners=None`` is False, as
+    in torch."""
+    spatial = [int(n) for n in size[2:]]
+    axes = [_normalized_coordinates(n, bool(align_corners), theta) for n in spatial]  # z, y, x order
+    positions = torch.meshgrid(*axes, indexing="ij")
+    base = torch.stack([*reversed(positions), torch.ones_like(positions[0])], dim=-1)
+    return (base.reshape(1, -1, len(spatial) + 1) @ theta.transpose(1, 2)).unflatten(1, spatial)
+
+
+def _affine_grid(func: Callable, args: tuple, kwargs: dict) -> Optional[Callable]:
+    """:func:`_affine_grid_of` for ``F.affine_grid`` (spatial transformer networks), or None. The
+    backward of ATen's ``affine_grid_generator`` takes the grid's size as concrete integers, so a
+    batch size that is symbolic (as the trace keeps it) stopped ``loss.backward()``. Only a 4-D or
+    5-D size with integer spatial dims and a matching ``theta``; anything else keeps torch's path (and
+    its own errors)."""
+    if func is not F.affine_grid:
+        return None
+    theta = args[0] if args else kwargs.get("theta")
+    size = args[1] if len(args) > 1 else kwargs.get("size")
+    if not isinstance(theta, torch.Tensor) or not theta.is_floating_point() or theta.dim() != 3 or size is None:
+        return None
+    k = len(size) - 2
+    if k not in (2, 3) or tuple(theta.shape[1:]) != (k, k + 1) or not all(type(n) is int for n in size[2:]):
+        return None
+    return _affine_grid_of
+
+
+def equal_valued_form(func: Callable, args: tuple, kwargs: dict) -> Callable:
+    """``func``, or a function computing the same values from the same arguments with ops that have
+    sharding rules (:func:`_global_average_pool`, :func:`_embedding_bag`, :func:`_bilinear`,
+    :func:`_fill_diagonal`), that traces with a symbolic batch size (:func:`_affine_grid`), or whose
+    traced form in torch is wrong (:func:`_multilabel_margin`)."""
+    for form in (_global_average_pool, _embedding_bag, _bilinear, _fill_diagonal, _affine_grid, _multilabel_margin):
+        replacement = form(func, args, kwargs)
+        if replacement is not None:
+            return replacement
+    return func
+
+
+class EqualForms(TorchFunctionMode):
+    """Records the calls :func:`equal_valued_form` rewrites in their equal forms, and every other call
+    as it is: the part of ``trace._StepMode`` that ``torch.compile(backend="spmd")`` needs, where
+    Dynamo (tracing this mode) runs DTensor's rules, which lack the fused kernels these avoid."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        return equal_valued_form(func, args, kwargs)(*args, **kwargs)
