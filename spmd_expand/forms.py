@@ -18,13 +18,21 @@ replaces and why; the module-zoo and loss tests compare them with one device.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+import contextlib
+import functools
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["EqualForms", "equal_valued_form"]
+__all__ = ["EqualForms", "equal_valued_form", "equal_forms_patched"]
+
+# The functions the forms answer, as torch defines them (``equal_forms_patched`` replaces the attributes
+# for a while; the forms compare calls with these).
+_PATCHED = [(F, name) for name in ("embedding_bag", "bilinear", "multilabel_margin_loss", "affine_grid")]
+_PATCHED += [(F, f"adaptive_avg_pool{d}d") for d in (1, 2, 3)] + [(torch.Tensor, "fill_diagonal_")]
+_ORIGINAL = {name: getattr(owner, name) for owner, name in _PATCHED}
 
 
 def _mean_over_last(dims: int) -> Callable:
@@ -36,11 +44,7 @@ def _mean_over_last(dims: int) -> Callable:
 
 # Adaptive average pooling to size 1 (a global average pool: ``nn.AdaptiveAvgPool1d(1)`` over tokens in
 # Swin's pooler, ``AdaptiveAvgPool2d(1)`` in ResNets): pooled dims, and the mean that computes it.
-_ADAPTIVE_AVG_POOLS = {
-    torch.adaptive_avg_pool1d: (1, _mean_over_last(1)),
-    torch.nn.functional.adaptive_avg_pool2d: (2, _mean_over_last(2)),
-    torch.nn.functional.adaptive_avg_pool3d: (3, _mean_over_last(3)),
-}
+_ADAPTIVE_AVG_POOLS = {_ORIGINAL[f"adaptive_avg_pool{d}d"]: (d, _mean_over_last(d)) for d in (1, 2, 3)}
 
 
 def _global_average_pool(func: Callable, args: tuple, kwargs: dict) -> Optional[Callable]:
@@ -106,7 +110,7 @@ def _embedding_bag(func: Callable, args: tuple, kwargs: dict) -> Optional[Callab
     ``F.embedding_bag`` itself refuses (a ``mode`` it does not know, ``per_sample_weights`` outside
     ``"sum"``, ...) keep its own error.
     """
-    if func is not F.embedding_bag:
+    if func is not _ORIGINAL['embedding_bag']:
         return None
     names = ("input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq", "mode", "sparse", "per_sample_weights")
     bound = {**dict(zip(names, args)), **kwargs}
@@ -138,7 +142,7 @@ def _bilinear_as_einsum(
 def _bilinear(func: Callable, args: tuple, kwargs: dict) -> Optional[Callable]:
     """``einsum`` for ``F.bilinear`` (``nn.Bilinear``), or None: ATen's ``_trilinear`` has no sharding
     rule; the einsum's matmuls split on the batch dims. Same values up to summation order."""
-    return _bilinear_as_einsum if func is F.bilinear else None
+    return _bilinear_as_einsum if func is _ORIGINAL['bilinear'] else None
 
 
 def _multilabel_margin_loss(
@@ -175,7 +179,7 @@ def _multilabel_margin_loss(
 
 def _multilabel_margin(func: Callable, args: tuple, kwargs: dict) -> Optional[Callable]:
     """:func:`_multilabel_margin_loss` for ``F.multilabel_margin_loss`` (``nn.MultiLabelMarginLoss``)."""
-    return _multilabel_margin_loss if func is F.multilabel_margin_loss else None
+    return _multilabel_margin_loss if func is _ORIGINAL['multilabel_margin_loss'] else None
 
 
 def _fill_diagonal_(input: torch.Tensor, fill_value: Any, wrap: bool = False) -> torch.Tensor:
@@ -190,7 +194,7 @@ def _fill_diagonal(func: Callable, args: tuple, kwargs: dict) -> Optional[Callab
     has no sharding rule (and whose strides would not describe a shard); ``diagonal`` does. Only where
     the two agree: a 2-D tensor, and ``wrap`` off or a square one (a tall matrix with ``wrap``
     starts the diagonal again below it)."""
-    if func is not torch.Tensor.fill_diagonal_ or not args or not isinstance(args[0], torch.Tensor):
+    if func is not _ORIGINAL['fill_diagonal_'] or not args or not isinstance(args[0], torch.Tensor):
         return None
     input, wrap = args[0], (args[2] if len(args) > 2 else kwargs.get("wrap", False))
     if input.dim() != 2 or (wrap and input.size(0) > input.size(1) + 1):
@@ -224,7 +228,7 @@ def _affine_grid(func: Callable, args: tuple, kwargs: dict) -> Optional[Callable
     batch size that is symbolic (as the trace keeps it) stopped ``loss.backward()``. Only a 4-D or
     5-D size with integer spatial dims and a matching ``theta``; anything else keeps torch's path (and
     its own errors)."""
-    if func is not F.affine_grid:
+    if func is not _ORIGINAL['affine_grid']:
         return None
     theta = args[0] if args else kwargs.get("theta")
     size = args[1] if len(args) > 1 else kwargs.get("size")
@@ -256,3 +260,28 @@ class EqualForms(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         return equal_valued_form(func, args, kwargs)(*args, **kwargs)
+
+
+def _applying_forms(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return equal_valued_form(original, args, kwargs)(*args, **kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def equal_forms_patched() -> Iterator[None]:
+    """The forms as the attributes torch code calls (``F.embedding_bag``, ``Tensor.fill_diagonal_``,
+    ...), restored on exit: for code that runs where no torch-function mode can be active. A forward
+    that activation checkpointing (``torch.utils.checkpoint``) re-runs inside ``backward()`` is such
+    code: a mode is off while its own handler runs, and ``backward()`` is itself a call a mode
+    handles. Without the forms there, the re-run records other ops than the forward did, and
+    checkpoint refuses it ("Recomputed values ... have different metadata")."""
+    try:
+        for owner, name in _PATCHED:
+            setattr(owner, name, _applying_forms(_ORIGINAL[name]))
+        yield
+    finally:
+        for owner, name in _PATCHED:
+            setattr(owner, name, _ORIGINAL[name])

@@ -63,7 +63,7 @@ from .python_values import (
     settings_variables,
 )
 from .errors import TraceError, node_error, user_source_line
-from .forms import equal_valued_form
+from .forms import equal_forms_patched, equal_valued_form
 from .loss_parallel import MarkLossParallel
 from .plans import MixedPrecision, ParamCast
 
@@ -509,7 +509,9 @@ class _StepMode(TorchFunctionMode):
             self.backward_calls += 1
             self.in_backward = True
             try:
-                with fx_traceback.annotate({BACKWARD_KEY: self.backward_calls}), self._forward_reads():
+                # A forward that activation checkpointing re-runs inside backward (where this mode is
+                # off) records the calls in the same forms as the first time.
+                with fx_traceback.annotate({BACKWARD_KEY: self.backward_calls}), self._forward_reads(), equal_forms_patched():
                     return func(*args, **kwargs)
             finally:
                 self.in_backward = False

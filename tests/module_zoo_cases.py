@@ -14,6 +14,7 @@ import copy
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -107,6 +108,22 @@ class _SpatialTransformer(nn.Module):
         theta = self.localization(x).view(-1, 2, 3)
         grid = F.affine_grid(theta, x.size())
         return self.out(F.grid_sample(x, grid, align_corners=False))
+
+
+class _CheckpointedForms(nn.Module):
+    """EmbeddingBag, Swin's token pool and Bilinear inside ``torch.utils.checkpoint``: the forward re-run
+    in backward must record the same forms as the first run (checkpoint compares the saved tensors)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag, self.emb = nn.EmbeddingBag(20, 8, padding_idx=0), nn.Embedding(20, 8)
+        self.pool, self.mix = nn.AdaptiveAvgPool1d(1), nn.Bilinear(8, 8, CLASSES)
+
+    def block(self, ids):
+        return self.mix(self.bag(ids), self.pool(self.emb(ids).transpose(1, 2)).flatten(1))
+
+    def forward(self, ids):
+        return torch.utils.checkpoint.checkpoint(self.block, ids, use_reentrant=False)
 
 
 def _pads():
@@ -257,6 +274,7 @@ MODELS = {
     "multihead_attention_weights_masks_kdim": (_AttentionWeights, _sequences),
     "spatial_transformer": (_SpatialTransformer, _images),
     "replication_reflection_circular_pads": (_pads, _images),
+    "checkpointed_forms": (_CheckpointedForms, _bags),
     "token_pool_adaptive_avg_pool1d": (_TokenPool, _sequences),
     "channels_last_cnn": (_channels_last_cnn, lambda g: _images(g).to(memory_format=torch.channels_last)),
     "transformer_encoder": (_Encoder, _sequences),
