@@ -278,10 +278,14 @@ def equal_forms_patched() -> Iterator[None]:
     code: a mode is off while its own handler runs, and ``backward()`` is itself a call a mode
     handles. Without the forms there, the re-run records other ops than the forward did, and
     checkpoint refuses it ("Recomputed values ... have different metadata")."""
+    own = {name: name in vars(owner) for owner, name in _PATCHED}  # else inherited (Tensor's, from TensorBase)
     try:
         for owner, name in _PATCHED:
             setattr(owner, name, _applying_forms(_ORIGINAL[name]))
         yield
     finally:
         for owner, name in _PATCHED:
-            setattr(owner, name, _ORIGINAL[name])
+            if own[name]:
+                setattr(owner, name, _ORIGINAL[name])
+            else:
+                delattr(owner, name)
