@@ -53,6 +53,11 @@
 * ``embedding_renorm_`` / ``embedding_renorm`` (rows of an embedding rescaled to ``max_norm``, called on
   the parameter): weight and indices replicated (registered with DTensor).
 
+* ``embedding_dense_backward``: DTensor's strategies, less the batch-split one when
+  ``scale_grad_by_freq`` is set (each index's count is over the global batch); replaces DTensor's rule.
+
+* ``unbind`` along a split dim (``for row in batch:``): the input is gathered first (a warning says so).
+
 * Pooling backward ops DTensor lacks (``avg_pool2d_backward``, ``adaptive_max_pool2d_backward``, the
   3-D ones, ...): split on the batch or channel dim, or replicated, like every operand
   (registered with DTensor's ``register_sharding``, so DTensor itself places them); reflection and
