@@ -223,7 +223,7 @@ def _reduce_gradients_computed_eagerly(model: nn.Module, mesh: DeviceMesh, resol
     eager DTensor leaves a data-parallel gradient ``Partial``: the optimizer would reduce it again in
     every op that reads it, and code reading ``grad.to_local()`` would see one rank's part.
     """
-    reduced: list[str] = []
+    reduced: set[str] = set()  # parameters whose gradients came from eager code (bounded: names only)
     for fqn, param in model.named_parameters():
         wanted = resolved.grad_placements(fqn, param)
         if not param.requires_grad or wanted is None:
@@ -242,7 +242,7 @@ def _reduce_gradients_computed_eagerly(model: nn.Module, mesh: DeviceMesh, resol
                     f"per parameter, neither bucketed nor overlapped",
                     stacklevel=2,
                 )
-            reduced.append(fqn)
+            reduced.add(fqn)
             p.grad = grad.redistribute(mesh, wanted)
 
         param.register_post_accumulate_grad_hook(reduce)
