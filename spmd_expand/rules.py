@@ -58,6 +58,9 @@
 
 * ``unbind`` along a split dim (``for row in batch:``): the input is gathered first (a warning says so).
 
+* ``_cdist_forward`` / ``_cdist_backward`` (``torch.cdist`` of small inputs): split on a batch dim or on
+  either input's rows (registered with DTensor).
+
 * Pooling backward ops DTensor lacks (``avg_pool2d_backward``, ``adaptive_max_pool2d_backward``, the
   3-D ones, ...): split on the batch or channel dim, or replicated, like every operand
   (registered with DTensor's ``register_sharding``, so DTensor itself places them); reflection and
@@ -607,6 +610,35 @@ def _padding_sharding(input, padding):
 @register_sharding(_PADDING_BACKWARD)
 def _padding_backward_sharding(grad_output, input, padding):
     return [([p], [p, p, None]) for p in _unpadded_placements(input, padding)]
+
+
+# ``torch.cdist`` for fewer than 25 rows a side (beyond that, or with compute_mode asking for it, torch
+# computes it as ``_euclidean_dist``, which decomposes into matmuls): ``_cdist_forward(x1, x2, p, mode)``
+# of ``(*batch, P, M)`` and ``(*batch, R, M)`` is ``(*batch, P, R)``, one distance per row pair, so it
+# splits on a batch dim (all alike), on x1's rows (x2 replicated) or on x2's rows (x1 replicated). Its
+# backward ``_cdist_backward(grad, x1, x2, p, cdist)`` is x1's gradient (autograd calls it with the
+# inputs swapped for x2's): split the same ways, where split on x2's rows each rank sums its rows'
+# contributions (partial). Inputs of different ranks (broadcast batch dims): replicated only.
+@register_sharding(aten._cdist_forward.default)
+def _cdist_sharding(x1, x2, p, compute_mode):
+    strategies = [([Replicate()], [Replicate(), Replicate(), None, None])]
+    if len(x1.shape) == len(x2.shape):
+        rows = len(x1.shape) - 2
+        strategies += [([Shard(d)], [Shard(d), Shard(d), None, None]) for d in range(rows)]
+        strategies += [([Shard(rows)], [Shard(rows), Replicate(), None, None])]
+        strategies += [([Shard(rows + 1)], [Replicate(), Shard(rows), None, None])]
+    return strategies
+
+
+@register_sharding(aten._cdist_backward.default)
+def _cdist_backward_sharding(grad, x1, x2, p, cdist):
+    strategies = [([Replicate()], [Replicate(), Replicate(), Replicate(), None, Replicate()])]
+    if len(x1.shape) == len(x2.shape):
+        rows = len(x1.shape) - 2
+        strategies += [([Shard(d)], [Shard(d), Shard(d), Shard(d), None, Shard(d)]) for d in range(rows)]
+        strategies += [([Shard(rows)], [Shard(rows), Shard(rows), Replicate(), None, Shard(rows)])]
+        strategies += [([Partial()], [Shard(rows + 1), Replicate(), Shard(rows), None, Shard(rows + 1)])]
+    return strategies
 
 
 # ``fill`` (``t.fill_(v)``, and ``t[..., 0] = v``, which runs ``fill_.Tensor`` with ``v`` as a 0-d

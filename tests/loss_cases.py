@@ -102,6 +102,10 @@ BATCH_OPS = {
     # gradient with new_empty_strided, whose global size was not localized: a raw RuntimeError).
     "inplace_view_writes": lambda o, t: _written_views(o * 1).pow(2).sum(),
     "inplace_diagonal_of_rows": lambda o, t: _halve_diagonal(o @ o.T).pow(2).sum(),
+    # torch.cdist of small inputs (_cdist_forward/_cdist_backward had no rule): to fixed prototypes,
+    # within the batch (its rows split on both sides), and p=3 with a batch dim.
+    "cdist": lambda o, t: torch.cdist(o, torch.linspace(-1, 1, 3 * OUT).view(3, OUT)).pow(2).mean()
+    + torch.cdist(o, o).mean() + torch.cdist(o[None], t["real"][None], p=3).mean(),
 }
 
 
