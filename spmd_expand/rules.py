@@ -696,32 +696,29 @@ def _embedding_renorm_sharding(weight, indices, max_norm, norm_type):
 # grad_output and indices split on the same batch dim with a partial weight gradient. That one is wrong
 # under ``scale_grad_by_freq=True`` (``nn.Embedding(..., scale_grad_by_freq=True)``): each row's
 # gradient is divided by how often its index occurs in the *whole* batch, and a rank counts only its
-# own part, so data-parallel gradients came out larger than one device's, silently. This replaces the
-# rule with the same strategies, less that one when frequencies are counted: the indices are then
-# replicated (gathered), and every rank counts the global batch as one device does. (DTensor's rule is
-# a single-dim strategy, which the propagator prefers to a registered one: it is dropped first.)
-def _drop_dtensor_single_dim_rule(op) -> None:
+# own part, so data-parallel gradients came out larger than one device's, silently. DTensor's rule is
+# kept and filtered: when frequencies are counted, strategies that split the indices are dropped, so
+# the indices are replicated (gathered) and every rank counts the global batch as one device does.
+# (``scale_grad_by_freq`` is in the rule's cache key: its schema info keeps arguments from index 2.)
+def _counting_global_frequencies(strategies_of: Callable) -> Callable:
+    def strategies(op, args_schema, kwargs_schema):
+        found = strategies_of(op, args_schema, kwargs_schema)
+        if not args_schema[4]:
+            return found
+        return [s for s in found if not isinstance(s[2], Shard)]  # [weight grad, grad_output, indices]
+
+    return strategies
+
+
+def _filter_embedding_backward_rule() -> None:
     from torch.distributed.tensor import DTensor
 
-    prop = DTensor._op_dispatcher.sharding_propagator
-    prop.op_single_dim_strategy_funcs.pop(op, None)
-    prop.op_to_schema_info_for_single_dim_strategy.pop(op, None)
+    table = DTensor._op_dispatcher.sharding_propagator.op_single_dim_strategy_funcs
+    info = table[aten.embedding_dense_backward.default]
+    table[aten.embedding_dense_backward.default] = dataclasses.replace(info, func=_counting_global_frequencies(info.func))
 
 
-_drop_dtensor_single_dim_rule(aten.embedding_dense_backward.default)
-
-
-@register_sharding(aten.embedding_dense_backward.default)
-def _embedding_backward_sharding(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
-    rest = [None, None, None]
-    strategies = [
-        ([Replicate()], [Replicate(), Replicate(), *rest]),
-        ([Shard(1)], [Shard(len(grad_output.shape) - 1), Replicate(), *rest]),
-        ([Partial()], [Partial(), Replicate(), *rest]),
-    ]
-    if not scale_grad_by_freq:
-        strategies += [([Partial()], [Shard(d), Shard(d), *rest]) for d in range(len(indices.shape))]
-    return strategies
+_filter_embedding_backward_rule()
 
 
 def constant_rule_for_untensored(node: fx.Node, prop):
