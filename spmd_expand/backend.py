@@ -58,12 +58,12 @@ from .api import REPLACED_PARAMETERS, broadcast_materialized_state, distribute_s
 from .boundaries import encode_placement, mark_boundaries
 from .errors import PlanError, SpmdError, TraceError
 from .expand import RedistributeCache
+from .forms import EqualForms
 from .lower import LOWERINGS, lower as lower_graph
 from .passes import resolve_passes
 from .pipeline import JointArtifacts, expand_joint
 from .plans import Plan, ResolvedPlan, TensorParallel, _DataParallel, resolve_plan
 from .spec import replicate
-from .forms import EqualForms
 from .trace import InputRole, TensorSpec, TracedStep
 from .watch import as_timedelta, set_group_timeouts
 
@@ -223,17 +223,19 @@ def _reduce_gradients_computed_eagerly(model: nn.Module, mesh: DeviceMesh, resol
     eager DTensor leaves a data-parallel gradient ``Partial``: the optimizer would reduce it again in
     every op that reads it, and code reading ``grad.to_local()`` would see one rank's part.
     """
-    reduced: set[str] = set()  # parameters whose gradients came from eager code (bounded: names only)
+    warned = False
     for fqn, param in model.named_parameters():
         wanted = resolved.grad_placements(fqn, param)
         if not param.requires_grad or wanted is None:
             continue
 
         def reduce(p: torch.Tensor, fqn: str = fqn, wanted: tuple = tuple(wanted)) -> None:
+            nonlocal warned
             grad = p.grad
             if not isinstance(grad, DTensor) or tuple(grad.placements) == wanted:
                 return
-            if not reduced:
+            if not warned:
+                warned = True
                 warnings.warn(
                     f"torch.compile(backend=\"spmd\"): the gradient of {fqn} came from eager DTensor code, not "
                     f"from a graph spmd_expand compiled (Dynamo ran part of the model eagerly: a graph break inside "
@@ -242,7 +244,6 @@ def _reduce_gradients_computed_eagerly(model: nn.Module, mesh: DeviceMesh, resol
                     f"per parameter, neither bucketed nor overlapped",
                     stacklevel=2,
                 )
-            reduced.add(fqn)
             p.grad = grad.redistribute(mesh, wanted)
 
         param.register_post_accumulate_grad_hook(reduce)

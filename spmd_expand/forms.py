@@ -110,7 +110,7 @@ def _embedding_bag(func: Callable, args: tuple, kwargs: dict) -> Optional[Callab
     ``F.embedding_bag`` itself refuses (a ``mode`` it does not know, ``per_sample_weights`` outside
     ``"sum"``, ...) keep its own error.
     """
-    if func is not _ORIGINAL['embedding_bag']:
+    if func is not _ORIGINAL["embedding_bag"]:
         return None
     names = ("input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq", "mode", "sparse", "per_sample_weights")
     bound = {**dict(zip(names, args)), **kwargs}
@@ -142,7 +142,7 @@ def _bilinear_as_einsum(
 def _bilinear(func: Callable, args: tuple, kwargs: dict) -> Optional[Callable]:
     """``einsum`` for ``F.bilinear`` (``nn.Bilinear``), or None: ATen's ``_trilinear`` has no sharding
     rule; the einsum's matmuls split on the batch dims. Same values up to summation order."""
-    return _bilinear_as_einsum if func is _ORIGINAL['bilinear'] else None
+    return _bilinear_as_einsum if func is _ORIGINAL["bilinear"] else None
 
 
 def _multilabel_margin_loss(
@@ -179,7 +179,7 @@ def _multilabel_margin_loss(
 
 def _multilabel_margin(func: Callable, args: tuple, kwargs: dict) -> Optional[Callable]:
     """:func:`_multilabel_margin_loss` for ``F.multilabel_margin_loss`` (``nn.MultiLabelMarginLoss``)."""
-    return _multilabel_margin_loss if func is _ORIGINAL['multilabel_margin_loss'] else None
+    return _multilabel_margin_loss if func is _ORIGINAL["multilabel_margin_loss"] else None
 
 
 def _fill_diagonal_(input: torch.Tensor, fill_value: Any, wrap: bool = False) -> torch.Tensor:
@@ -194,7 +194,7 @@ def _fill_diagonal(func: Callable, args: tuple, kwargs: dict) -> Optional[Callab
     has no sharding rule (and whose strides would not describe a shard); ``diagonal`` does. Only where
     the two agree: a 2-D tensor, and ``wrap`` off or a square one (a tall matrix with ``wrap``
     starts the diagonal again below it)."""
-    if func is not _ORIGINAL['fill_diagonal_'] or not args or not isinstance(args[0], torch.Tensor):
+    if func is not _ORIGINAL["fill_diagonal_"] or not args or not isinstance(args[0], torch.Tensor):
         return None
     input, wrap = args[0], (args[2] if len(args) > 2 else kwargs.get("wrap", False))
     if input.dim() != 2 or (wrap and input.size(0) > input.size(1) + 1):
@@ -228,7 +228,7 @@ def _affine_grid(func: Callable, args: tuple, kwargs: dict) -> Optional[Callable
     batch size that is symbolic (as the trace keeps it) stopped ``loss.backward()``. Only a 4-D or
     5-D size with integer spatial dims and a matching ``theta``; anything else keeps torch's path (and
     its own errors)."""
-    if func is not _ORIGINAL['affine_grid']:
+    if func is not _ORIGINAL["affine_grid"]:
         return None
     theta = args[0] if args else kwargs.get("theta")
     size = args[1] if len(args) > 1 else kwargs.get("size")
