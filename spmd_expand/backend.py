@@ -217,8 +217,9 @@ def _reduce_gradients_computed_eagerly(model: nn.Module, mesh: DeviceMesh, resol
     A gradient our compiled graphs produce already is (DDP: replicated, FSDP: its shard): the hook
     compares placements and returns. One that is not came from DTensor's eager autograd: Dynamo ran
     part of the model eagerly. A graph break inside a module of ``torch.nn`` (an ``nn.Sequential``
-    whose child breaks, e.g. on ``F.interpolate``, whose traced decomposition DTensor cannot place)
-    runs that module's whole forward eagerly, on the DTensor parameters. Its values are right (the
+    whose child breaks, e.g. on ``F.interpolate``) did so for that module's whole forward before the
+    forward ran under :class:`~spmd_expand.forms.EqualForms` (with the mode on, Dynamo compiles the
+    children as graphs of their own); the hook stays for any other eager path. Its values are right (the
     compiled graph of the model's result scales each rank's loss by ``1 / data-parallel size``), but
     eager DTensor leaves a data-parallel gradient ``Partial``: the optimizer would reduce it again in
     every op that reads it, and code reading ``grad.to_local()`` would see one rank's part.

@@ -262,3 +262,28 @@ def run_loops(rank: int, world: int, runs: list[tuple[str, str, str]], steps: in
         except Exception:  # noqa: BLE001 - reported per run by the test
             results[(name, plan_name, lower)] = {"error": traceback.format_exc()}
     return results
+
+
+def eager_gradient_worker(rank: int, world: int) -> dict:
+    """A parallelized parameter used by eager DTensor code (what Dynamo runs outside its graphs): its
+    gradient arrives ``Partial``; the hook ``spmd.parallelize`` installs reduces it to the plan's
+    placement (DDP: replicated) and warns once. Returns the placements and the warnings."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1, bias=False)
+    spmd.parallelize(model, mesh, spmd.DDP())
+    x = DTensor.from_local(torch.full((2, 4), float(rank + 1)), mesh, [Shard(0)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            (x * model.weight).sum().backward()
+    return {
+        "placements": tuple(model.weight.grad.placements),
+        "grad": model.weight.grad.to_local().clone(),
+        "warnings": [str(w.message) for w in caught if "eager DTensor code" in str(w.message)],
+    }

@@ -235,3 +235,17 @@ def test_parameters_become_dtensors_with_the_plan(fake_mesh):
     assert spmd.parallelize(model, fake_mesh, plan) is model  # idempotent
     with pytest.raises(spmd.SpmdError, match="already parallelized"):
         spmd.parallelize(model, fake_mesh, spmd.DDP())
+
+
+def test_gradient_of_eager_dtensor_code_is_reduced_per_plan():
+    """Dynamo can run part of a model eagerly (a graph break inside a torch.nn module did, before the
+    backend's forward ran under forms.EqualForms): eager DTensor autograd leaves a data-parallel
+    gradient Partial; parallelize's hook reduces it (once per accumulation) and warns once."""
+    from torch.distributed.tensor import Replicate
+
+    per_rank = run_local(compile_cases.eager_gradient_worker, 2, timeout_s=300)
+    for r in per_rank:
+        assert r["placements"] == (Replicate(),)
+        # Two backward calls, each summing 2 rows of value 1 (rank 0) and 2 (rank 1): 2 * (2 + 4).
+        torch.testing.assert_close(r["grad"], torch.full((1, 4), 12.0))
+        assert len(r["warnings"]) == 1
