@@ -87,6 +87,36 @@ def _rebind_parameters(model: nn.Module, optimizer: Optional[torch.optim.Optimiz
                         optimizer.state[new[id(old)]] = optimizer.state.pop(old)
 
 
+# Each DTensor parameter's wrapper storage and local tensor, as distribute_state last saw them, kept
+# on the parameter (a weak reference to it would stop ``torch.utils.swap_tensors``).
+# ``param.data = value`` on a DTensor swaps the wrapper's storage but not ``_local_tensor``, the only
+# values DTensor (and the compiled step) reads: the assignment is lost, with no error from torch.
+# ``swap_tensors`` (``model.to(...)``, ``to_empty``) swaps both, and this attribute with them.
+_SEEN_STORAGE = "_spmd_seen_storage"
+
+
+def _refuse_lost_data_assignments(model: nn.Module) -> None:
+    """Raise PlanError for a DTensor parameter assigned through ``.data =`` since it was last seen;
+    remember every DTensor parameter's wrapper storage and local tensor for the next check."""
+    for fqn, p in model.named_parameters():
+        if not isinstance(p, DTensor):
+            continue
+        now = (p.untyped_storage()._cdata, id(p._local_tensor))
+        before = getattr(p, _SEEN_STORAGE, None)
+        if before is not None and before[0] != now[0] and before[1] == now[1]:
+            raise PlanError(
+                f"parameter {fqn!r} was assigned with `.data = ...` after spmd.compile made it a DTensor "
+                f"({', '.join(map(repr, p.placements))} over mesh dims {p.device_mesh.mesh_dim_names or tuple(range(p.device_mesh.ndim))}): "
+                f"a DTensor keeps this rank's values in its local tensor, which a `.data` assignment does not "
+                f"change, so the assignment was lost (torch's DTensor raises no error). The parameter still holds "
+                f"its old values; nothing was run.\n"
+                f"  fix: write the new values in place: `with torch.no_grad(): p.copy_(value)` with `value` a "
+                f"DTensor, or `p.copy_(distribute_tensor(value, p.device_mesh, p.placements))` with a full "
+                f"tensor; or load a whole state dict with torch.distributed.checkpoint.state_dict.set_model_state_dict"
+            )
+        setattr(p, _SEEN_STORAGE, now)
+
+
 class _Stale(Exception):
     """An input of the bound call is not what the graph was compiled for: take the full path."""
 
@@ -151,7 +181,8 @@ def distribute_state(
     Raises:
         DivergenceError: before the first broadcast, when the ranks' models differ (names, shapes,
             dtypes, ``requires_grad``, placements; :mod:`spmd_expand.rank_check`).
-        PlanError: a parameter or buffer of a lazy module (``nn.LazyLinear``, ...) has no shape yet.
+        PlanError: a parameter or buffer of a lazy module (``nn.LazyLinear``, ...) has no shape yet; a
+            DTensor parameter was assigned through ``.data =`` since the last call (the values were lost).
     """
     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
         for fqn, t in named:
@@ -195,6 +226,7 @@ def distribute_state(
             if not isinstance(b, DTensor) and not b.is_meta:
                 b.copy_(distribute_tensor(b, mesh, replicate(mesh)).to_local())
     _rebind_parameters(model, optimizer, new)
+    _refuse_lost_data_assignments(model)
 
 
 def _distribute(tensor: torch.Tensor, mesh: DeviceMesh, placements) -> DTensor:

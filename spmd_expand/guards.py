@@ -208,9 +208,11 @@ def snapshot(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Sn
     params = [p for slot in slots for p in slot.values() if p is not None]
     buffers = [b for m in modules for b in m._buffers.values() if b is not None]
     objects: list = [model, optimizer, *modules, *params, *buffers]
-    # A DTensor parameter's local tensor (``p.data = ...`` replaces it); a plain one itself.
+    # A DTensor parameter's local tensor (``swap_tensors`` replaces it); a plain one itself.
     objects += [getattr(p, "_local_tensor", p) for p in params]
     values: list = [(type(m), m.training) for m in modules]
+    # Its storage: ``p.data = ...`` swaps it (and for a DTensor nothing else; api refuses that).
+    values += [p.untyped_storage()._cdata for p in params]
     values += [(len(slot), len(m._buffers), len(m._modules)) for m, slot in zip(modules, slots)]
     values += [p.requires_grad for p in params]
     values += [p.grad is None for p in params]

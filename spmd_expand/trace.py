@@ -319,7 +319,10 @@ def backward_index(node: fx.Node) -> Optional[int]:
     return (node.meta.get("custom") or {}).get(BACKWARD_KEY)
 
 
+# Marks the copy_ node that stands for ``tensor.data = value`` (see _assign_data).
+DATA_ASSIGNMENT_KEY = "spmd_data_assignment"
 _GRAD = torch._C.TensorBase.__dict__["grad"]
+_DATA = torch._C.TensorBase.__dict__["data"]
 _BACKWARD_CALLS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 # Reads of a parameter that look at metadata only: no unshard marker for these.
 _METADATA_READS = frozenset(
@@ -520,6 +523,8 @@ class _StepMode(TorchFunctionMode):
             return decomposed()
         func = equal_valued_form(func, args, kwargs)
         name = getattr(func, "__name__", "")
+        if name == "__set__" and getattr(func, "__self__", None) is _DATA:
+            return _assign_data(*args)
         if name == "__get__" and getattr(func, "__self__", None) is _GRAD:
             grad = func(*args, **kwargs)
             entry = self.params.get(id(args[0]))
@@ -538,6 +543,94 @@ class _StepMode(TorchFunctionMode):
         if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
             return type(value)(self._substitute(v) for v in value)
         return value
+
+
+def _assign_data(tensor: torch.Tensor, value: Any) -> None:
+    """``tensor.data = value`` inside the traced step, recorded as ``tensor.copy_(value)`` under no_grad.
+
+    make_fx does not see ``.data =`` (``Variable::set_data`` swaps the tensor's storage below the
+    dispatcher): left alone, the graph drops the assignment with no error and the parameter keeps its
+    old value. An in-place copy gives the tensor the same values. It differs from a storage swap only
+    for another tensor aliasing the old storage and read after the assignment (``old = p.data``:
+    unchanged on one device, changed by a copy), which :func:`_refuse_reads_of_assigned_data` refuses;
+    a change of shape, dtype or device is refused here (the graph's inputs keep theirs).
+
+    Raises:
+        TraceError: naming the user's line, for an assignment a copy cannot stand for.
+    """
+    if not isinstance(value, torch.Tensor) or (value.shape, value.dtype, value.device) != (
+        tensor.shape,
+        tensor.dtype,
+        tensor.device,
+    ):
+        shown = (
+            f"a {value.dtype} tensor of shape {list(value.shape)} on {value.device}"
+            if isinstance(value, torch.Tensor)
+            else f"a {type(value).__name__}"
+        )
+        frames = [f for f in traceback.extract_stack() if not _is_library_file(f.filename)]
+        where = f'File "{frames[-1].filename}", line {frames[-1].lineno}: {(frames[-1].line or "").strip()}' if frames else "<unknown source>"
+        raise TraceError(
+            f"the train step at {where} assigns {shown} to the .data of a {tensor.dtype} tensor of shape "
+            f"{list(tensor.shape)} on {tensor.device}: a compiled step keeps the shape, dtype and device of the "
+            f"model's parameters and buffers (they are graph inputs, placed by the plan)\n"
+            f"  fix: assign a value of the same shape and dtype (`.to(dtype)`), or change the parameter outside "
+            f"the compiled step (a new model or module, then the step compiles again)"
+        )
+    with torch.no_grad(), fx_traceback.annotate({DATA_ASSIGNMENT_KEY: True}):
+        tensor.copy_(value)
+
+
+def _aliased_input(node: Any) -> Any:
+    """The node whose storage ``node``'s value shares: through views and in-place ops (which return
+    their first argument), to the first node that made new storage."""
+    while (
+        isinstance(node, fx.Node)
+        and isinstance(node.target, torch._ops.OpOverload)
+        and node.args
+        and node.target._schema.returns
+        and node.target._schema.returns[0].alias_info is not None
+    ):
+        node = node.args[0]
+    return node
+
+
+def _refuse_reads_of_assigned_data(gm: fx.GraphModule) -> None:
+    """Refuse a read, after ``p.data = value``, of a tensor that aliased ``p`` before it (``old = p.data``).
+
+    On one device the assignment gives ``p`` new storage and ``old`` keeps the old values; the graph
+    records the assignment as ``p.copy_(value)`` (:func:`_assign_data`), which ``old`` would see.
+
+    Raises:
+        TraceError: naming the read, the user's line and the fix.
+    """
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    for assignment in gm.graph.nodes:
+        if not (assignment.meta.get("custom") or {}).get(DATA_ASSIGNMENT_KEY):
+            continue
+        target = assignment.args[0]
+        storage = _aliased_input(target)
+        # The tensor assigned to, and what it is a view of: the same object before and after.
+        itself = {target}
+        while itself and isinstance(target, fx.Node) and target is not storage:
+            target = target.args[0]
+            itself.add(target)
+        for alias in gm.graph.nodes:
+            if alias is assignment:
+                break
+            if alias in itself or _aliased_input(alias) is not storage:
+                continue
+            late = [user for user in alias.users if order[user] > order[assignment]]
+            if late:
+                raise node_error(
+                    TraceError,
+                    late[0],
+                    "reads a tensor that aliased another one before its `.data` was assigned (e.g. `old = p.data`, "
+                    "then `p.data = new`): on one device it keeps the old values, but the compiled step updates "
+                    "the tensor in place, so it would read the new ones",
+                    fix="keep the old value as a copy (`old = p.detach().clone()`), or update with "
+                    "`with torch.no_grad(): p.copy_(new)` and no `.data` assignment",
+                )
 
 
 @contextlib.contextmanager
@@ -801,6 +894,7 @@ def trace_step(
             _refuse_untraced_randomness(randomness)
             _refuse_recomputed_draws(autograd_graph)
             _refuse_writes_to_parameter_reads(autograd_graph)
+            _refuse_reads_of_assigned_data(autograd_graph)
             detached = [t.detach() for t in fakes]
 
             def replay(*flat: Any) -> list[torch.Tensor]:

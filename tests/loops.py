@@ -162,6 +162,38 @@ def data_update_step(model, optimizer, x, y):
     return loss
 
 
+def data_assignment_step(model, optimizer, x, y):
+    """The old tutorial update, assigning ``.data`` (a storage swap make_fx does not record)."""
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    for p in model.parameters():
+        p.data = p.data - 0.1 * p.grad
+        p.grad = None
+    return loss
+
+
+def grad_data_clamp_step(model, optimizer, x, y):
+    """Gradient clipping by assigning the gradient's ``.data``, then an optimizer step."""
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    for p in model.parameters():
+        p.grad.data = torch.clamp(p.grad.data, -0.01, 0.01)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def flat_vector_step(model, optimizer, x, y):
+    """An update of all parameters as one flat vector (TRPO, evolution strategies):
+    ``vector_to_parameters`` assigns each parameter's ``.data``."""
+    loss = F.cross_entropy(model(x), y)
+    params = list(model.parameters())
+    grads = torch.autograd.grad(loss, params)
+    flat = torch.nn.utils.parameters_to_vector(params) - 0.1 * torch.nn.utils.parameters_to_vector(grads)
+    torch.nn.utils.vector_to_parameters(flat, params)
+    return loss
+
+
 def two_backward_step(model, optimizer, x, y):
     """Two losses, two backward calls (``retain_graph``): their gradients add up."""
     out = model(x)
@@ -549,6 +581,10 @@ SCENARIOS: dict[str, dict] = {
     "manual_sgd_no_optimizer": dict(step=manual_sgd_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1)),
     "data_attribute_update": dict(step=data_update_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1)),
     "two_backward_retain_graph": dict(step=two_backward_step),
+    # `.data` assigned inside the step: recorded as an in-place copy (the graph dropped it before).
+    "data_assignment_sgd": dict(step=data_assignment_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1)),
+    "grad_data_clamp": dict(step=grad_data_clamp_step),
+    "flat_vector_update": dict(step=flat_vector_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1)),
     "gradient_penalty_double_backward": dict(step=gradient_penalty_step),
     "optimizer_step_closure": dict(step=closure_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
     "explicit_backward_gradient": dict(step=explicit_gradient_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1)),
@@ -693,6 +729,49 @@ def scheduler_inside_step(rank: int, world: int) -> str:
         return "no error"
     except spmd.SpmdError as e:
         return f"{type(e).__name__}: {e}"
+
+
+def _assign_data_between_calls(i, pair):
+    if i == 2:
+        weight = pair["model"].fc2.weight
+        weight.data = weight.data * 0.5
+
+
+def _data_alias_read_step(model, optimizer, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    old = model.fc2.weight.data
+    model.fc2.weight.data = old - 0.1 * model.fc2.weight.grad
+    return loss + old.sum()
+
+
+def _data_dtype_step(model, optimizer, x, y):
+    loss = classification_step(model, optimizer, x, y)
+    model.fc2.bias.data = model.fc2.bias.data.double()
+    return loss
+
+
+# `.data` assignments a compiled step cannot stand for: each must raise, never run on.
+REFUSED_DATA_ASSIGNMENTS = {
+    # Outside the step, on a DTensor parameter: DTensor keeps `_local_tensor`, the values are lost.
+    "between_calls": dict(between=_assign_data_between_calls),
+    # `old` keeps the old values on one device; the graph's in-place copy would change it.
+    "alias_read_after": dict(step=_data_alias_read_step),
+    "dtype_changed": dict(step=_data_dtype_step),
+}
+
+
+def run_refused_data_assignments(rank: int, world: int, plan: str) -> dict:
+    """Worker: the error each of :data:`REFUSED_DATA_ASSIGNMENTS` raises (``"no error"`` if none)."""
+    mesh = _mesh(plan, world)
+    results = {}
+    for name, scenario in REFUSED_DATA_ASSIGNMENTS.items():
+        try:
+            run_loop(mesh, PLANS[plan][1](), **scenario)
+            results[name] = "no error"
+        except spmd.SpmdError as e:
+            results[name] = f"{type(e).__name__}: {e}"
+    return results
 
 
 def discriminator_step(gan, opt_d, real, z):

@@ -18,7 +18,7 @@ RTOL, ATOL = 1e-4, 1e-5
 
 DDP = list(loops.SCENARIOS)
 CLIP = ["clip_grad_norm", "clip_grad_value", "grads_through_module", "zero_grad_set_to_none_false"]
-FSDP = CLIP + ["contrastive_clip", "mixup_randperm", "manual_sgd_no_optimizer", "gradient_penalty_double_backward", "buffer_assigned", "gradient_hooks", "forward_hook_added", "step_lr", "one_cycle_adam_foreach", "freeze_unfreeze", "zero_grad_first", "muon_fp32", "evaluate_inference_mode"]
+FSDP = CLIP + ["data_assignment_sgd", "grad_data_clamp", "flat_vector_update", "contrastive_clip", "mixup_randperm", "manual_sgd_no_optimizer", "gradient_penalty_double_backward", "buffer_assigned", "gradient_hooks", "forward_hook_added", "step_lr", "one_cycle_adam_foreach", "freeze_unfreeze", "zero_grad_first", "muon_fp32", "evaluate_inference_mode"]
 TP = CLIP + ["cosine", "train_eval", "muon_fp32"]
 TWO_D = ["clip_grad_norm", "grads_through_module"]
 # Under the default lowering: Inductor would compile float hyperparameters in as constants
@@ -160,6 +160,20 @@ def test_scheduler_inside_step_is_refused():
         assert message.startswith("TraceError"), message
         assert "changed optimizer.param_groups[0] settings" in message and "'lr'" in message
         assert "scheduler.step() after the compiled step" in message
+
+
+@pytest.mark.parametrize("plan", ["ddp", "fsdp"])
+def test_data_assignments_that_a_compiled_step_cannot_keep_are_refused(plan):
+    for message in run_local(loops.run_refused_data_assignments, 2, plan, timeout_s=600):
+        between = message["between_calls"]
+        assert between.startswith("PlanError: parameter 'fc2.weight' was assigned with `.data = ...`"), between
+        assert "the assignment was lost" in between and "p.copy_(distribute_tensor(value" in between
+        alias = message["alias_read_after"]
+        assert alias.startswith("TraceError: reads a tensor that aliased another one before its `.data` was assigned"), alias
+        assert "return loss + old.sum()" in alias and "old = p.detach().clone()" in alias
+        dtype = message["dtype_changed"]
+        assert dtype.startswith("TraceError: the train step at") and "model.fc2.bias.data = model.fc2.bias.data.double()" in dtype, dtype
+        assert "assigns a torch.float64 tensor of shape [4]" in dtype
 
 
 def test_gan_two_compiled_steps_share_one_model():
