@@ -895,6 +895,7 @@ def trace_step(
             _refuse_recomputed_draws(autograd_graph)
             _refuse_writes_to_parameter_reads(autograd_graph)
             _refuse_reads_of_assigned_data(autograd_graph)
+            _refuse_storage_swaps(autograd_graph)
             detached = [t.detach() for t in fakes]
 
             def replay(*flat: Any) -> list[torch.Tensor]:
@@ -1257,6 +1258,25 @@ def _refuse_writes_to_parameter_reads(gm: fx.GraphModule) -> None:
                 f"{target} writes in place into the value read for parameter {fqn!r}, not into the parameter: the "
                 f"change would be lost after this step",
                 fix=fix,
+            )
+
+
+def _refuse_storage_swaps(gm: fx.GraphModule) -> None:
+    """Refuse ``Tensor.set_`` (a tensor made to alias another's storage): functionalization does not
+    carry it to the graph's outputs, so a parameter ``set_`` to its update would silently keep its old
+    values. (``.data =`` becomes an in-place copy instead: :func:`_assign_data`.)
+
+    Raises:
+        TraceError: naming the node, the user's line and the fix.
+    """
+    for node in gm.graph.nodes:
+        if isinstance(node.target, torch._ops.OpOverload) and node.target.overloadpacket is torch.ops.aten.set_:
+            raise node_error(
+                TraceError,
+                node,
+                "Tensor.set_ makes a tensor alias another's storage, which a compiled step cannot record (the "
+                "tensor would keep its old values)",
+                fix="copy the values in place: `with torch.no_grad(): p.copy_(value)`",
             )
 
 

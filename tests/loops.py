@@ -751,6 +751,14 @@ def _data_dtype_step(model, optimizer, x, y):
     return loss
 
 
+def _set_storage_step(model, optimizer, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    with torch.no_grad():
+        model.fc2.weight.set_(model.fc2.weight - 0.1 * model.fc2.weight.grad)
+    return loss
+
+
 # `.data` assignments a compiled step cannot stand for: each must raise, never run on.
 REFUSED_DATA_ASSIGNMENTS = {
     # Outside the step, on a DTensor parameter: DTensor keeps `_local_tensor`, the values are lost.
@@ -758,6 +766,8 @@ REFUSED_DATA_ASSIGNMENTS = {
     # `old` keeps the old values on one device; the graph's in-place copy would change it.
     "alias_read_after": dict(step=_data_alias_read_step),
     "dtype_changed": dict(step=_data_dtype_step),
+    # Tensor.set_ (a storage swap by another name): functionalization dropped it, silently.
+    "set_storage": dict(step=_set_storage_step),
 }
 
 

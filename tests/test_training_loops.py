@@ -174,6 +174,9 @@ def test_data_assignments_that_a_compiled_step_cannot_keep_are_refused(plan):
         dtype = message["dtype_changed"]
         assert dtype.startswith("TraceError: the train step at") and "model.fc2.bias.data = model.fc2.bias.data.double()" in dtype, dtype
         assert "assigns a torch.float64 tensor of shape [4]" in dtype
+        swap = message["set_storage"]
+        assert swap.startswith("TraceError: Tensor.set_ makes a tensor alias another's storage"), swap
+        assert "model.fc2.weight.set_(" in swap
 
 
 def test_gan_two_compiled_steps_share_one_model():
