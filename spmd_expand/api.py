@@ -63,6 +63,15 @@ def _find(leaves: Sequence[Any], kind: type, what: str, at_most_one: bool) -> Op
 REPLACED_PARAMETERS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 
 
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper holds (``model = torch.compile(model)``), else ``model``:
+    the plan's FQNs name its submodules, not ``_orig_mod.*``. The step still calls the wrapper, which
+    runs the module's own forward while the step is traced (:func:`spmd_expand.trace.trace_step`)."""
+    while isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        model = model._orig_mod
+    return model
+
+
 def _rebind_parameters(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], new: dict[int, nn.Parameter]) -> None:
     """Replace parameters everywhere they are referenced: owning modules (tied ones too), the flat
     weight lists of RNN modules, and optimizer."""
@@ -463,6 +472,7 @@ class CompiledStep:
         (see :func:`distribute_state`): call ``model.to_empty(device=...)``, initialize or load, and
         build the optimizer before the first call.
         """
+        model = _unwrapped(model)
         if optimizer is not None:
             _adopt_replaced_parameters(model, optimizer)
             _check_optimizer_params(model, optimizer)
@@ -480,7 +490,7 @@ class CompiledStep:
             with torch.inference_mode(False):
                 return self(*args, **kwargs)
         leaves, _ = pytree.tree_flatten((args, kwargs))
-        model = _find(leaves, nn.Module, "modules", at_most_one=False)
+        model = _unwrapped(_find(leaves, nn.Module, "modules", at_most_one=False))
         optimizer = _find(leaves, torch.optim.Optimizer, "optimizers", at_most_one=True)
         batch_leaves = [x for x in leaves if isinstance(x, torch.Tensor)]
         constants = tuple(repr(x) for x in leaves if not isinstance(x, (torch.Tensor, nn.Module, torch.optim.Optimizer)))

@@ -888,8 +888,11 @@ def trace_step(
             # mkldnn off: an LSTM on CPU is recorded as its decomposition into matmuls and pointwise ops
             # (torch._decomp's one_layer_lstm, which DTensor places), not as one oneDNN kernel
             # (mkldnn_rnn_layer), which it cannot. Kernels are chosen again when the graph runs.
+            # force_eager: a model or module the user wrapped in torch.compile (`model.compile()`,
+            # nanoGPT's `model = torch.compile(model)`) runs its Python forward, which make_fx records;
+            # the whole step is compiled here instead.
             with fx_traceback.preserve_node_meta(), MarkLossParallel(), torch.compiler._non_strict_tracing_context(), randomness, \
-                    _onednn_off():
+                    _onednn_off(), torch.compiler.set_stance("force_eager"):
                 autograd_graph = make_fx(step, tracing_mode="symbolic", record_stack_traces=True)(*fakes, *sym_values)
             _refuse_untraced_randomness(randomness)
             _refuse_recomputed_draws(autograd_graph)

@@ -265,7 +265,7 @@ def run_loop(
     compiled = spmd.compile(mesh=mesh, plan=plan, lower=lower)(step)
 
     def shard(*batch):
-        resolved = resolve_plan(plan, mesh, compiled_pair["model"])
+        resolved = resolve_plan(plan, mesh, getattr(compiled_pair["model"], "_orig_mod", compiled_pair["model"]))
         return [local_slice(t, mesh, resolved.batch_placements(t)) for t in batch]
 
     # What ``between`` needs to run a second step of its own (an evaluation), compiled on one side.
@@ -384,6 +384,19 @@ def new_model(i, pair):
         torch.manual_seed(7)
         pair["model"] = TwoLayer()
         pair["optimizer"] = torch.optim.AdamW(pair["model"].parameters(), lr=1e-2)
+
+
+def _torch_compiled() -> nn.Module:
+    """nanoGPT's `model = torch.compile(model)` before the training step is written."""
+    return torch.compile(TwoLayer(), backend="eager")
+
+
+class CompiledBlock(TwoLayer):
+    """A submodule compiled on its own (`module.compile()`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1.compile(backend="eager")
 
 
 class Tempered(TwoLayer):
@@ -588,6 +601,9 @@ SCENARIOS: dict[str, dict] = {
     "gradient_penalty_double_backward": dict(step=gradient_penalty_step),
     "optimizer_step_closure": dict(step=closure_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
     "explicit_backward_gradient": dict(step=explicit_gradient_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1)),
+    # A model or block the user already wrapped in torch.compile: its Python forward is traced.
+    "torch_compiled_model": dict(model_fn=_torch_compiled),
+    "torch_compiled_block": dict(model_fn=CompiledBlock),
     # A buffer assigned in forward is written back like one updated in place.
     "buffer_assigned": dict(model_fn=RunningMean),
     "adam_single_tensor_deep": dict(model_fn=_deep_mlp, optimizer_fn=lambda ps: torch.optim.Adam(ps, lr=1e-2), steps=5),
