@@ -894,6 +894,7 @@ def trace_step(
             with fx_traceback.preserve_node_meta(), MarkLossParallel(), torch.compiler._non_strict_tracing_context(), randomness, \
                     _onednn_off(), torch.compiler.set_stance("force_eager"):
                 autograd_graph = make_fx(step, tracing_mode="symbolic", record_stack_traces=True)(*fakes, *sym_values)
+            _refuse_collectives(autograd_graph)
             _refuse_untraced_randomness(randomness)
             _refuse_recomputed_draws(autograd_graph)
             _refuse_writes_to_parameter_reads(autograd_graph)
@@ -1261,6 +1262,31 @@ def _refuse_writes_to_parameter_reads(gm: fx.GraphModule) -> None:
                 f"{target} writes in place into the value read for parameter {fqn!r}, not into the parameter: the "
                 f"change would be lost after this step",
                 fix=fix,
+            )
+
+
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
+
+
+def _refuse_collectives(gm: fx.GraphModule) -> None:
+    """Refuse a collective the step calls itself (``dist.all_reduce(loss)`` to log a global loss,
+    carried over from a DDP script): the step is written for one device, where its values already are
+    global; spmd_expand adds every collective the plan needs. Left in, it would reduce a global value
+    again (W times the loss).
+
+    Raises:
+        TraceError: naming the collective, the user's line and the fix.
+    """
+    for node in gm.graph.nodes:
+        if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace in _COLLECTIVE_NAMESPACES:
+            raise node_error(
+                TraceError,
+                node,
+                f"the step calls a collective itself ({node.target}): a compiled step is written for one device, "
+                f"where the loss and every other value it computes already cover the global batch; spmd_expand "
+                f"inserts the collectives the plan needs",
+                fix="remove the torch.distributed call from the step (the loss the step returns is the global "
+                "value: e.g. log it on rank 0 after the call)",
             )
 
 

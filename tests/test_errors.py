@@ -306,6 +306,37 @@ def test_value_dependent_shape_says_what_fixes_it(fake_mesh):
     assert "loss = out[out > 0].sum()" in msg and "torch.where" in msg and "choose a plan" not in msg
 
 
+def _all_reduce_step(model, optimizer, x):
+    loss = model(x).square().mean()
+    loss.backward()
+    optimizer.step()
+    logged = loss.detach().clone()
+    torch.distributed.all_reduce(logged)  # a DDP script's logging, carried into the step
+    return logged / torch.distributed.get_world_size()
+
+
+def _functional_all_reduce_step(model, optimizer, x):
+    import torch.distributed._functional_collectives as funcol
+
+    loss = model(x).square().mean()
+    loss.backward()
+    optimizer.step()
+    return funcol.all_reduce(loss.detach(), "sum", list(range(torch.distributed.get_world_size())))
+
+
+@pytest.mark.parametrize(
+    "step_fn, line",
+    [(_all_reduce_step, "torch.distributed.all_reduce(logged)"), (_functional_all_reduce_step, "return funcol.all_reduce(")],
+)
+def test_a_collective_the_step_calls_itself_is_refused_at_its_line(fake_mesh, step_fn, line):
+    """On one device the step's values already cover the global batch: a collective of its own would
+    reduce them again. (c10d's fake kernel draws from Python's random: not the error to give.)"""
+    model = _mlp()
+    with pytest.raises(spmd.TraceError, match="the step calls a collective itself") as info:
+        ddp(fake_mesh, step_fn)(model, sgd(model), torch.randn(4, 8))
+    assert line in str(info.value) and "remove the torch.distributed call" in str(info.value)
+
+
 def test_optimizer_parameter_outside_the_model(fake_mesh):
     model = _mlp()
     stray = nn.Parameter(torch.randn(3))
