@@ -399,6 +399,29 @@ class CompiledBlock(TwoLayer):
         self.fc1.compile(backend="eager")
 
 
+class EmaCodebook(nn.Module):
+    """VQ-VAE with an EMA codebook (van den Oord et al. 2017, appendix): a frozen ``nn.Parameter``
+    that forward updates in training through ``.data =`` from the batch's code assignments."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(16, 8)
+        self.codebook = nn.Parameter(torch.randn(6, 8), requires_grad=False)
+        self.register_buffer("cluster_size", torch.ones(6))
+        self.dec = nn.Linear(8, 4)
+
+    def forward(self, x):
+        z = self.enc(x)
+        codes = F.one_hot(((z[:, None, :] - self.codebook[None]) ** 2).sum(-1).argmin(1), 6).to(z.dtype)
+        q = codes @ self.codebook
+        if self.training:
+            with torch.no_grad():
+                self.cluster_size.mul_(0.9).add_(codes.sum(0), alpha=0.1)
+                means = (codes.t() @ z) / (self.cluster_size[:, None] + 1e-5)
+                self.codebook.data = 0.9 * self.codebook.data + 0.1 * means
+        return self.dec(z + (q - z).detach())  # straight-through
+
+
 class Tempered(TwoLayer):
     """Reads a Python float attribute in forward (a temperature a curriculum changes); ``seen`` is a
     counter the loop keeps on the module and forward never reads."""
@@ -598,6 +621,7 @@ SCENARIOS: dict[str, dict] = {
     "data_assignment_sgd": dict(step=data_assignment_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1)),
     "grad_data_clamp": dict(step=grad_data_clamp_step),
     "flat_vector_update": dict(step=flat_vector_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1)),
+    "ema_codebook_in_forward": dict(model_fn=EmaCodebook),
     "gradient_penalty_double_backward": dict(step=gradient_penalty_step),
     "optimizer_step_closure": dict(step=closure_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
     "explicit_backward_gradient": dict(step=explicit_gradient_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1)),
