@@ -194,6 +194,25 @@ def flat_vector_step(model, optimizer, x, y):
     return loss
 
 
+def adversarial_step(model, optimizer, x, y):
+    """PGD adversarial training (Madry et al. 2018, as its public implementations write it): a random
+    start, three signed-gradient ascent steps on the input perturbation, each assigned through
+    ``delta.data`` and clamped, then the model's update on the perturbed batch."""
+    eps, alpha = 0.1, 0.04
+    delta = torch.zeros_like(x).uniform_(-eps, eps)
+    delta.requires_grad = True
+    for _ in range(3):
+        F.cross_entropy(model(x + delta), y).backward()
+        delta.data = (delta + alpha * delta.grad.sign()).clamp(-eps, eps)
+        delta.grad.zero_()
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x + delta.detach()), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
 def two_backward_step(model, optimizer, x, y):
     """Two losses, two backward calls (``retain_graph``): their gradients add up."""
     out = model(x)
@@ -622,6 +641,7 @@ SCENARIOS: dict[str, dict] = {
     "grad_data_clamp": dict(step=grad_data_clamp_step),
     "flat_vector_update": dict(step=flat_vector_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1)),
     "ema_codebook_in_forward": dict(model_fn=EmaCodebook),
+    "pgd_adversarial": dict(step=adversarial_step),
     "gradient_penalty_double_backward": dict(step=gradient_penalty_step),
     "optimizer_step_closure": dict(step=closure_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
     "explicit_backward_gradient": dict(step=explicit_gradient_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1)),
