@@ -600,7 +600,7 @@ class CompiledStep:
 
     def _write_back(self, traced: TracedStep, outputs: Sequence[torch.Tensor], model, optimizer) -> Any:
         """Store new optimizer states and gradients as DTensors; return the user's values."""
-        if len(traced.outputs) == traced.return_is_tensor.count(True) and not traced.cleared_grads:
+        if len(traced.outputs) == traced.return_is_tensor.count(True) and not traced.cleared_grads and not traced.state_writes:
             # Only the user's values (the steady state: states updated in place, gradients cleared
             # by zero_grad before the step ended).
             return pytree.tree_unflatten(_fill(outputs, traced.return_is_tensor), traced.return_spec)
@@ -618,6 +618,8 @@ class CompiledStep:
                 params[role.fqn].grad = dt
         for fqn in traced.cleared_grads:
             params[fqn].grad = None
+        for fqn, key, value in traced.state_writes:
+            optimizer.state[params[fqn]][key] = value
         return pytree.tree_unflatten(_fill(returns, traced.return_is_tensor), traced.return_spec)
 
 

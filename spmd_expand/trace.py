@@ -215,6 +215,9 @@ class TracedStep:
     guards: HyperParameterGuards = field(default_factory=lambda: HyperParameterGuards([], [], []))
     # Python values the trace read and baked in (module attributes, globals, closure variables).
     python_guards: PythonGuards = field(default_factory=PythonGuards)
+    # Non-tensor optimizer states the step set, (fqn, key, value): stored after every run of the graph,
+    # which only runs on the values it was traced from (they are part of its cache key).
+    state_writes: list[tuple[str, str, Any]] = field(default_factory=list)
 
 
 # In-place fused optimizer ops whose C++ functionalization kernel cannot handle their list arguments
@@ -788,6 +791,8 @@ def trace_step(
     outputs: list[OutputRole] = []
     recorded: list = []
     cleared_grads: list[str] = []
+    state_writes: list[tuple[str, str, Any]] = []
+    python_states_before: dict[str, dict[str, Any]] = {}
     return_spec: list[tuple[pytree.TreeSpec, list[bool]]] = []
 
     def step(*flat: Any) -> list[torch.Tensor]:
@@ -813,6 +818,7 @@ def trace_step(
                 params[r.fqn].grad = t
                 mode.mark_read(params[r.fqn], t)
         inputs_by_id = {id(t): r for r, t in by_role.items()}
+        states_before = {pid: {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)} for pid, st in states.items()}
         widened = _widen_scalar_states(by_role, states, real_params, eager_scalar_fqns)
 
         batch = {int(r.key): t for r, t in by_role.items() if r.kind == "batch"}
@@ -867,6 +873,9 @@ def trace_step(
                     outputs.append(OutputRole("state", fqn, key))
                     out.append(value)
         cleared_grads[:] = [r.fqn for r in by_role if r.kind == "grad" and params[r.fqn].grad is None]
+        python_states_before.clear()
+        python_states_before.update({fqn: states_before.get(id(real_params[fqn]), {}) for fqn in traced_states})
+        state_writes[:] = _python_state_writes(traced_states, python_states_before)
         for fqn, p in params.items():
             if p.grad is not None and inputs_by_id.get(id(p.grad)) != InputRole("grad", fqn):
                 outputs.append(OutputRole("grad", fqn))
@@ -942,6 +951,7 @@ def trace_step(
             hint = _trace_failure_hint(kind, str(e), data_dependent, library)
         raise TraceError(f"could not trace {where}: {kind}: {str(e).splitlines()[0] if str(e) else ''}\n  fix: {hint}") from e
 
+    _warn_changed_python_states(state_writes, python_states_before)
     for write in code_writes([fn]):
         warnings.warn(
             f"spmd.compile: the step assigns {write}; a compiled step's Python code runs when it is traced "
@@ -972,6 +982,52 @@ def trace_step(
         hyperparameters,
         _hyperparameter_guards(shape_env, symbols, hyperparameters),
         PythonGuards(code_reads(user_functions) + recorded[-1].values, global_state, recorded[-1].module_reads),
+        list(state_writes),
+    )
+
+
+def _python_state_writes(traced: Mapping[str, Mapping[str, Any]], before: Mapping[str, Mapping[str, Any]]) -> list:
+    """The non-tensor optimizer states the step set: (fqn, key, value) for each one new or changed.
+
+    A custom optimizer may count steps in a Python int (``state["step"] += 1``): the trace runs its
+    Python once, so the graph bakes in that call's count. The count is stored back after every run of
+    the graph (the graph is keyed on the count it was traced from, :func:`~spmd_expand.guards.cache_key`),
+    so the next call, with the next count, compiles again: right values, one compilation per step
+    (:func:`_warn_changed_python_states` says so). Without the write-back, every call repeated the
+    first call's bias correction.
+
+    Raises:
+        TraceError: a state set to a value computed from a hyperparameter (a symbolic number while
+            traced; it has no value to store).
+    """
+    writes = []
+    for fqn, state in traced.items():
+        old = before.get(fqn, {})
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) or (key in old and old[key] is value):
+                continue
+            if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                raise TraceError(
+                    f"the optimizer stores state[{key!r}] of parameter {fqn} as a Python number computed from a "
+                    f"hyperparameter (an input of the compiled step, with no value while it is traced)\n  fix: keep "
+                    f"it a tensor (`torch.as_tensor(...)`), as torch's optimizers keep `step`"
+                )
+            writes.append((fqn, key, value))
+    return writes
+
+
+def _warn_changed_python_states(writes: Sequence[tuple[str, str, Any]], before: Mapping[str, Mapping[str, Any]]) -> None:
+    """One warning for the non-tensor optimizer states the step changed (each call compiles again)."""
+    changed = [(fqn, key, value) for fqn, key, value in writes if key in before.get(fqn, {})]
+    if not changed:
+        return
+    fqn, key, value = changed[0]
+    warnings.warn(
+        f"spmd.compile: the optimizer's step changes Python values in its state ({len(changed)}, e.g. "
+        f"state[{key!r}] of parameter {fqn} from {before[fqn][key]!r} to {value!r}): the compiled graph bakes "
+        f"them in, so each call compiles again (right values, slowly). Keep them tensors updated in place "
+        f"(`state[{key!r}] = torch.tensor(0.0)`), as torch's optimizers keep `step`",
+        stacklevel=3,
     )
 
 

@@ -546,6 +546,47 @@ class RunningMean(TwoLayer):
         return out
 
 
+class Lamb(torch.optim.Optimizer):
+    """LAMB (You et al. 2020) written as third-party optimizers write it: a Python-int step count in the
+    state (created on the first step), and a trust ratio from the norms of the whole parameter and of
+    its update (over the gathered parameter under FSDP)."""
+
+    def __init__(self, params, lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, trust_ratio=True):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.trust_ratio = trust_ratio  # False: AdamW (LAMB's trust ratio cancels the bias corrections)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                exp_avg = state["exp_avg"] / (1 - beta1 ** state["step"])
+                exp_avg_sq = state["exp_avg_sq"] / (1 - beta2 ** state["step"])
+                update = exp_avg / exp_avg_sq.sqrt().add(group["eps"]) + group["weight_decay"] * p
+                if self.trust_ratio:
+                    weight_norm, update_norm = p.norm().clamp(0, 10), update.norm()
+                    update = update * torch.where((weight_norm > 0) & (update_norm > 0), weight_norm / update_norm, 1.0)
+                p.add_(update, alpha=-group["lr"])
+
+
+def _resume_python_step_state(i, pair):
+    """As if loaded from a checkpoint before the first call: the Python-int step count exists already
+    (the first trace then changes it, rather than creating it)."""
+    if i == 0:
+        for p in pair["model"].parameters():
+            pair["optimizer"].state[p] = {"step": 3, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.full_like(p, 1e-4)}
+
+
 def _deep_mlp():
     layers = []
     for _ in range(10):
@@ -663,6 +704,9 @@ SCENARIOS: dict[str, dict] = {
     "muon": dict(
         optimizer_fn=lambda ps: torch.optim.Muon(_matrices(ps), lr=0.02, momentum=0.9), between=set_lr
     ),
+    # A Python-int step count: each call compiles again (its count is baked in), and is stored back.
+    "lamb_python_int_step": dict(optimizer_fn=lambda ps: Lamb(ps)),
+    "adamw_python_int_step_resumed": dict(optimizer_fn=lambda ps: Lamb(ps, trust_ratio=False), between=_resume_python_step_state),
     "muon_fp32": dict(
         optimizer_fn=lambda ps: Fp32Muon(_matrices(ps), lr=0.02, momentum=0.9, adjust_lr_fn="match_rms_adamw")
     ),

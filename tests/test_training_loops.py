@@ -18,7 +18,7 @@ RTOL, ATOL = 1e-4, 1e-5
 
 DDP = list(loops.SCENARIOS)
 CLIP = ["clip_grad_norm", "clip_grad_value", "grads_through_module", "zero_grad_set_to_none_false"]
-FSDP = CLIP + ["torch_compiled_model", "torch_compiled_block", "data_assignment_sgd", "grad_data_clamp", "flat_vector_update", "ema_codebook_in_forward", "pgd_adversarial", "contrastive_clip", "mixup_randperm", "manual_sgd_no_optimizer", "gradient_penalty_double_backward", "buffer_assigned", "gradient_hooks", "forward_hook_added", "step_lr", "one_cycle_adam_foreach", "freeze_unfreeze", "zero_grad_first", "muon_fp32", "evaluate_inference_mode"]
+FSDP = CLIP + ["torch_compiled_model", "torch_compiled_block", "data_assignment_sgd", "grad_data_clamp", "flat_vector_update", "ema_codebook_in_forward", "pgd_adversarial", "lamb_python_int_step", "adamw_python_int_step_resumed", "contrastive_clip", "mixup_randperm", "manual_sgd_no_optimizer", "gradient_penalty_double_backward", "buffer_assigned", "gradient_hooks", "forward_hook_added", "step_lr", "one_cycle_adam_foreach", "freeze_unfreeze", "zero_grad_first", "muon_fp32", "evaluate_inference_mode"]
 TP = CLIP + ["cosine", "train_eval", "muon_fp32", "torch_compiled_model"]
 TWO_D = ["clip_grad_norm", "grads_through_module"]
 # Under the default lowering: Inductor would compile float hyperparameters in as constants
@@ -138,6 +138,8 @@ def test_recompiles_where_structure_changes(results):
     assert r["gradient_hooks"] == 2  # hooks on fc1 only, then on fc1 and fc2
     assert r["forward_hook_added"] == 2  # without, with, then without again (cached)
     assert r["post_accumulate_grad_hook"] == 1
+    # A Python-int step count in the optimizer's state: one graph per count (the first call creates it).
+    assert r["lamb_python_int_step"] == loops.STEPS
 
 
 def test_refused_batches():
