@@ -600,7 +600,7 @@ class CompiledStep:
 
     def _write_back(self, traced: TracedStep, outputs: Sequence[torch.Tensor], model, optimizer) -> Any:
         """Store new optimizer states and gradients as DTensors; return the user's values."""
-        if len(traced.outputs) == traced.return_is_tensor.count(True) and not traced.cleared_grads and not traced.state_writes:
+        if len(traced.outputs) == traced.return_is_tensor.count(True) and not traced.cleared_grads and not traced.state_writes and not traced.group_writes:
             # Only the user's values (the steady state: states updated in place, gradients cleared
             # by zero_grad before the step ended).
             return pytree.tree_unflatten(_fill(outputs, traced.return_is_tensor), traced.return_spec)
@@ -620,6 +620,8 @@ class CompiledStep:
             params[fqn].grad = None
         for fqn, key, value in traced.state_writes:
             optimizer.state[params[fqn]][key] = value
+        for index, key, value in traced.group_writes:
+            optimizer.param_groups[index][key] = value
         return pytree.tree_unflatten(_fill(returns, traced.return_is_tensor), traced.return_spec)
 
 

@@ -218,6 +218,8 @@ class TracedStep:
     # Non-tensor optimizer states the step set, (fqn, key, value): stored after every run of the graph,
     # which only runs on the values it was traced from (they are part of its cache key).
     state_writes: list[tuple[str, str, Any]] = field(default_factory=list)
+    # Int/bool param-group settings the step set, (group index, key, value): stored back the same way.
+    group_writes: list[tuple[int, str, Any]] = field(default_factory=list)
 
 
 # In-place fused optimizer ops whose C++ functionalization kernel cannot handle their list arguments
@@ -643,12 +645,17 @@ def _optimizer_on(
     states: dict[int, dict[str, Any]],
     hyperparameters: Sequence[HyperParameter],
     values: Sequence[Any],
+    group_writes: list,
 ) -> Iterator[None]:
     """Point ``optimizer`` at the traced parameters, states and hyperparameters while the step is traced.
 
+    An int or bool setting the step sets (a step count some optimizers keep in the param group, timm's
+    ``group["step"] += 1``) is appended to ``group_writes`` as (group index, key, value) and stored back
+    after every run of the graph, as Python-number states are (:func:`_python_state_writes`).
+
     Raises:
-        TraceError: the step changed a param-group setting (e.g. an LR scheduler stepped inside the
-            step): the compiled step would not repeat that change, so it is refused.
+        TraceError: the step changed any other param-group setting (e.g. an LR scheduler stepped inside
+            the step): the compiled step would not repeat that change, so it is refused.
     """
     if optimizer is None:
         yield
@@ -677,6 +684,18 @@ def _optimizer_on(
         yield
         for i, (group, expected) in enumerate(zip(optimizer.param_groups, traced_settings)):
             changed = sorted(k for k in set(group) | set(expected) if k != "params" and group.get(k) is not expected.get(k))
+            counts = [k for k in changed if k in group and type(group[k]) in (int, bool) and type(expected.get(k)) in (int, bool, type(None))]
+            group_writes.extend((i, k, group[k]) for k in counts)
+            recounted = [k for k in counts if expected.get(k) is not None]
+            if recounted:
+                warnings.warn(
+                    f"spmd.compile: the step changes optimizer.param_groups[{i}][{recounted[0]!r}] from "
+                    f"{expected[recounted[0]]!r} to {group[recounted[0]]!r}, a Python value: the compiled graph bakes it "
+                    f"in, so each call compiles again (right values, slowly). Keep counts in tensors updated in place, "
+                    f"as torch's optimizers keep `step`",
+                    stacklevel=2,
+                )
+            changed = [k for k in changed if k not in counts]
             if changed:
                 raise TraceError(
                     f"the train step changed optimizer.param_groups[{i}] settings {changed}; a compiled step "
@@ -687,6 +706,8 @@ def _optimizer_on(
         optimizer.state = saved_state
         for group, params, settings in zip(optimizer.param_groups, saved_params, saved_settings):
             group["params"] = params
+            for key in [k for k in group if k != "params" and k not in settings]:
+                del group[key]  # set by the step: stored back after the graph runs, if kept
             group.update(settings)
 
 
@@ -792,6 +813,7 @@ def trace_step(
     recorded: list = []
     cleared_grads: list[str] = []
     state_writes: list[tuple[str, str, Any]] = []
+    group_writes: list[tuple[int, str, Any]] = []
     python_states_before: dict[str, dict[str, Any]] = {}
     return_spec: list[tuple[pytree.TreeSpec, list[bool]]] = []
 
@@ -834,8 +856,9 @@ def trace_step(
         # shows up here (see _write_back_assignments).
         held = {**params, **buffers}
         try:
+            group_writes.clear()
             with stateless._reparametrize_module(model, held, tie_weights=True), _optimizer_on(
-                optimizer, swap, states, hyperparameters, hp_values
+                optimizer, swap, states, hyperparameters, hp_values, group_writes
             ), mark_boundaries(model, module_layouts or {}), _cast_root_io(
                 model, mixed_precision.policy if mixed_precision else None
             ), mode:
@@ -983,6 +1006,7 @@ def trace_step(
         _hyperparameter_guards(shape_env, symbols, hyperparameters),
         PythonGuards(code_reads(user_functions) + recorded[-1].values, global_state, recorded[-1].module_reads),
         list(state_writes),
+        list(group_writes),
     )
 
 

@@ -551,14 +551,17 @@ class Lamb(torch.optim.Optimizer):
     state (created on the first step), and a trust ratio from the norms of the whole parameter and of
     its update (over the gathered parameter under FSDP)."""
 
-    def __init__(self, params, lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, trust_ratio=True):
+    def __init__(self, params, lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, trust_ratio=True, count_in_group=False):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.trust_ratio = trust_ratio  # False: AdamW (LAMB's trust ratio cancels the bias corrections)
+        self.count_in_group = count_in_group  # timm's optimizers count steps in the param group
 
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
+            if self.count_in_group:
+                group["step"] = group.get("step", 0) + 1
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -567,7 +570,7 @@ class Lamb(torch.optim.Optimizer):
                     state["step"] = 0
                     state["exp_avg"] = torch.zeros_like(p)
                     state["exp_avg_sq"] = torch.zeros_like(p)
-                state["step"] += 1
+                state["step"] = group["step"] if self.count_in_group else state["step"] + 1
                 state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
                 state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
                 exp_avg = state["exp_avg"] / (1 - beta1 ** state["step"])
@@ -706,6 +709,7 @@ SCENARIOS: dict[str, dict] = {
     ),
     # A Python-int step count: each call compiles again (its count is baked in), and is stored back.
     "lamb_python_int_step": dict(optimizer_fn=lambda ps: Lamb(ps)),
+    "adamw_python_int_step_in_group": dict(optimizer_fn=lambda ps: Lamb(ps, trust_ratio=False, count_in_group=True)),
     "adamw_python_int_step_resumed": dict(optimizer_fn=lambda ps: Lamb(ps, trust_ratio=False), between=_resume_python_step_state),
     "muon_fp32": dict(
         optimizer_fn=lambda ps: Fp32Muon(_matrices(ps), lr=0.02, momentum=0.9, adjust_lr_fn="match_rms_adamw")
