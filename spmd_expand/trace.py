@@ -609,21 +609,25 @@ def _refuse_reads_of_assigned_data(gm: fx.GraphModule) -> None:
     Raises:
         TraceError: naming the read, the user's line and the fix.
     """
+    assignments = [n for n in gm.graph.nodes if (n.meta.get("custom") or {}).get(DATA_ASSIGNMENT_KEY)]
+    if not assignments:
+        return
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    for assignment in gm.graph.nodes:
-        if not (assignment.meta.get("custom") or {}).get(DATA_ASSIGNMENT_KEY):
-            continue
+    sharing: dict[Any, list[fx.Node]] = collections.defaultdict(list)  # storage -> nodes that alias it
+    for node in gm.graph.nodes:
+        sharing[_aliased_input(node)].append(node)
+    for assignment in assignments:
         target = assignment.args[0]
         storage = _aliased_input(target)
         # The tensor assigned to, and what it is a view of: the same object before and after.
         itself = {target}
-        while itself and isinstance(target, fx.Node) and target is not storage:
+        while isinstance(target, fx.Node) and target is not storage:
             target = target.args[0]
             itself.add(target)
-        for alias in gm.graph.nodes:
-            if alias is assignment:
+        for alias in sharing[storage]:
+            if order[alias] >= order[assignment]:
                 break
-            if alias in itself or _aliased_input(alias) is not storage:
+            if alias in itself:
                 continue
             late = [user for user in alias.users if order[user] > order[assignment]]
             if late:
