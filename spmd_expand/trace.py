@@ -720,9 +720,30 @@ def _copy_tensor_hooks(real: torch.Tensor, traced: torch.Tensor) -> None:
     tensor that stands for it while tracing, so the graph does what they do, to the gradient of the
     global batch (the single-device meaning; torch DDP runs them on each rank's unreduced gradient)."""
     for hook in (real._backward_hooks or {}).values():
-        traced.register_hook(hook)
+        traced.register_hook(_recording_data_assignments(hook))
     for hook in (getattr(real, "_post_accumulate_grad_hooks", None) or {}).values():
-        traced.register_post_accumulate_grad_hook(hook)
+        traced.register_post_accumulate_grad_hook(_recording_data_assignments(hook))
+
+
+def _recording_data_assignments(hook: Callable) -> Callable:
+    """``hook``, run with ``.data =`` recorded as :func:`_assign_data` records it: backward runs the
+    hook outside the step's torch-function mode, where make_fx would drop the assignment."""
+
+    @functools.wraps(hook)
+    def run(*args: Any) -> Any:
+        with _DataAssignments():
+            return hook(*args)
+
+    return run
+
+
+class _DataAssignments(TorchFunctionMode):
+    """Records ``tensor.data = value`` as :func:`_assign_data`; every other call passes through."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") == "__set__" and getattr(func, "__self__", None) is _DATA:
+            return _assign_data(*args)
+        return func(*args, **(kwargs or {}))
 
 
 def _fake(fake_mode: FakeTensorMode, spec: TensorSpec) -> torch.Tensor:

@@ -590,6 +590,17 @@ def _resume_python_step_state(i, pair):
             pair["optimizer"].state[p] = {"step": 3, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.full_like(p, 1e-4)}
 
 
+def _clamp_grad_data(param):
+    param.grad.data = param.grad.data.clamp(-0.01, 0.01)
+
+
+def clamp_hook_assigning_data(i, pair):
+    """A post-accumulate-grad hook that assigns the gradient's ``.data`` (backward runs it)."""
+    if i == 0:
+        for p in pair["model"].parameters():
+            p.register_post_accumulate_grad_hook(_clamp_grad_data)
+
+
 def _deep_mlp():
     layers = []
     for _ in range(10):
@@ -686,6 +697,7 @@ SCENARIOS: dict[str, dict] = {
     "flat_vector_update": dict(step=flat_vector_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1)),
     "ema_codebook_in_forward": dict(model_fn=EmaCodebook),
     "pgd_adversarial": dict(step=adversarial_step),
+    "grad_data_in_hook": dict(between=clamp_hook_assigning_data),
     "gradient_penalty_double_backward": dict(step=gradient_penalty_step),
     "optimizer_step_closure": dict(step=closure_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
     "explicit_backward_gradient": dict(step=explicit_gradient_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1)),
