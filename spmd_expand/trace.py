@@ -528,7 +528,7 @@ class _StepMode(TorchFunctionMode):
             return decomposed()
         func = equal_valued_form(func, args, kwargs)
         name = getattr(func, "__name__", "")
-        if name == "__set__" and getattr(func, "__self__", None) is _DATA:
+        if _assigns_data(func):
             return _assign_data(*args)
         if name == "__get__" and getattr(func, "__self__", None) is _GRAD:
             grad = func(*args, **kwargs)
@@ -548,6 +548,11 @@ class _StepMode(TorchFunctionMode):
         if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
             return type(value)(self._substitute(v) for v in value)
         return value
+
+
+def _assigns_data(func: Callable) -> bool:
+    """Whether the torch function ``func`` is ``Tensor.data.__set__`` (``tensor.data = value``)."""
+    return getattr(func, "__name__", "") == "__set__" and getattr(func, "__self__", None) is _DATA
 
 
 def _assign_data(tensor: torch.Tensor, value: Any) -> None:
@@ -741,7 +746,7 @@ class _DataAssignments(TorchFunctionMode):
     """Records ``tensor.data = value`` as :func:`_assign_data`; every other call passes through."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") == "__set__" and getattr(func, "__self__", None) is _DATA:
+        if _assigns_data(func):
             return _assign_data(*args)
         return func(*args, **(kwargs or {}))
 
