@@ -492,7 +492,8 @@ class CompiledStep:
         leaves, _ = pytree.tree_flatten((args, kwargs))
         model = _unwrapped(_find(leaves, nn.Module, "modules", at_most_one=False))
         optimizer = _find(leaves, torch.optim.Optimizer, "optimizers", at_most_one=True)
-        batch_leaves = [x for x in leaves if isinstance(x, torch.Tensor)]
+        given = [x for x in leaves if isinstance(x, torch.Tensor)]
+        batch_leaves = _in_traced_layout(given)
         constants = tuple(repr(x) for x in leaves if not isinstance(x, (torch.Tensor, nn.Module, torch.optim.Optimizer)))
         bound = self._bound_call(model, optimizer, batch_leaves, constants)
         if bound is None:
@@ -511,8 +512,13 @@ class CompiledStep:
             if bound is not None:
                 artifacts, locals_, values = bound
                 self.last = artifacts
-                return self._write_back(artifacts.traced, artifacts.runner(*locals_, *values), model, optimizer)
-            return self._run(args, kwargs, model, optimizer, leaves, batch_leaves, constants)
+                result = self._write_back(artifacts.traced, artifacts.runner(*locals_, *values), model, optimizer)
+            else:
+                result = self._run(args, kwargs, model, optimizer, leaves, batch_leaves, constants)
+            for i in self.last.traced.mutated_batch_leaves:
+                if batch_leaves[i] is not given[i]:
+                    given[i].copy_(batch_leaves[i])  # the step wrote the contiguous copy in place
+        return result
 
     def _bound_call(self, model, optimizer, batch_leaves, constants) -> Optional[tuple]:
         """(artifacts, local inputs, hyperparameter values) when this call matches the last full one
@@ -623,6 +629,16 @@ class CompiledStep:
         for index, key, value in traced.group_writes:
             optimizer.param_groups[index][key] = value
         return pytree.tree_unflatten(_fill(returns, traced.return_is_tensor), traced.return_spec)
+
+
+def _in_traced_layout(batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The batch tensors as the step was traced: contiguous (:class:`TensorSpec` has no strides).
+
+    A view such as the inputs and targets of a language model, ``data[:, :-1]`` and ``data[:, 1:]``,
+    is copied into a contiguous tensor; a ``view`` the graph took of the contiguous traced tensor
+    would fail on it (or an Inductor kernel would read it with the wrong strides). Contiguous tensors
+    are passed as they are."""
+    return [t if t.is_contiguous() else t.contiguous() for t in batch]
 
 
 def _fill(returns: Sequence[torch.Tensor], is_tensor: Sequence[bool]) -> list:

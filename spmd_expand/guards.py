@@ -44,6 +44,7 @@ refused (``BatchError``)                 local batches of different shapes on di
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 import re
 import weakref
@@ -239,7 +240,7 @@ def snapshot(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Sn
     return Snapshot(objects, values)
 
 
-def _batch_problems(leaves: Sequence[torch.Tensor], plan: ResolvedPlan) -> list[str]:
+def _batch_problems(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: DeviceMesh) -> list[str]:
     """This rank's own problems with its batch tensors (no communication)."""
     problems = []
     sizes: dict[int, tuple[int, int]] = {}  # tensor dim -> (size, first argument with it)
@@ -260,10 +261,27 @@ def _batch_problems(leaves: Sequence[torch.Tensor], plan: ResolvedPlan) -> list[
                 elif first[0] != size:
                     problems.append(
                         f"tensor arguments {first[1]} and {i} have {first[0]} and {size} rows on batch dim "
-                        f"{placement.dim}; every tensor argument is split along it (pass per-step constants "
-                        f"such as class weights as module buffers: model.register_buffer(name, tensor))"
+                        f"{placement.dim}; every tensor argument is split along it "
+                        + _uneven_rows_fix(t, plan, mesh, placement.dim, first, i)
                     )
     return problems
+
+
+def _uneven_rows_fix(t: torch.Tensor, plan: ResolvedPlan, mesh: DeviceMesh, dim: int, first: tuple[int, int], i: int) -> str:
+    """The likely cause of two batch arguments with different row counts, and its fix."""
+    mesh_dims = [m for m, p in enumerate(plan.batch_placements(t)) if isinstance(p, Shard) and p.dim == dim]
+    pieces = math.prod(mesh.size(m) for m in mesh_dims)
+    if t.shape[dim] == first[0] * pieces:
+        # Returned tensors are global (spmd.compile's contract), so state carried from one call to the
+        # next (an RNN's hidden state) comes back with every rank's rows.
+        index = f"mesh.get_local_rank({mesh_dims[0]})" if len(mesh_dims) == 1 else "this rank's data-parallel index"
+        return (
+            f"(argument {i} has the rows of all {pieces} data-parallel ranks: a tensor an earlier call returned? "
+            f"Returned tensors are the single-device value; pass this rank's rows, "
+            f"`t.tensor_split({pieces}, dim={dim})[{index}]`, or keep state carried across calls in a module "
+            f"buffer updated in place)"
+        )
+    return "(pass per-step constants such as class weights as module buffers: model.register_buffer(name, tensor))"
 
 
 _SUBMESH_GROUPS: dict[tuple, Any] = {}
@@ -304,7 +322,7 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: Device
         BatchError: on every rank at once, naming each rank's shapes, arguments or problem, when ranks
             differ, a local batch is empty, a batch tensor lacks the batch dim, or tensors disagree on it.
     """
-    problems = _batch_problems(leaves, plan)
+    problems = _batch_problems(leaves, plan, mesh)
     shapes = [(tuple(t.shape), str(t.dtype)) for t in leaves]
     # An object's default repr names its address, which differs between processes.
     constants = tuple(_ADDRESS.sub("", c) for c in constants)

@@ -221,6 +221,20 @@ class TracedStep:
     # Int/bool param-group settings the step set, (group index, key, value): stored back the same way.
     group_writes: list[tuple[int, str, Any]] = field(default_factory=list)
 
+    @functools.cached_property
+    def mutated_batch_leaves(self) -> frozenset[int]:
+        """Positions among the step's tensor arguments (``InputRole.key`` of a batch input) of the
+        batch tensors the step writes in place (``x.mul_(2)``): an ``aten.copy_`` into their placeholder."""
+        placeholders = {node: i for i, node in enumerate(self.graph_module.graph.find_nodes(op="placeholder"))}
+        written = {
+            placeholders[node.args[0]]
+            for node in self.graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default)
+            if node.args[0] in placeholders
+        }
+        return frozenset(
+            int(role.key) for i, role in enumerate(self.inputs) if i in written and role.kind == "batch"
+        )
+
 
 # In-place fused optimizer ops whose C++ functionalization kernel cannot handle their list arguments
 # in torch 2.13; the functional variant returns the updated lists, which are copied back instead.

@@ -964,3 +964,120 @@ def run_gan(rank: int, world: int, plans: list[str]) -> dict:
         except Exception:  # noqa: BLE001 - reported by the test
             results[plan] = {"error": traceback.format_exc()}
     return results
+
+
+# ---------------------------------------------------------------- batch layouts, state carried across calls
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 32):
+        super().__init__()
+        self.emb, self.fc, self.head = nn.Embedding(vocab, 16), nn.Linear(16, 16), nn.Linear(16, vocab)
+
+    def forward(self, idx):
+        return self.head(torch.tanh(self.fc(self.emb(idx))))
+
+
+def next_token_step(model, optimizer, x, y):
+    logits = model(x)
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def scaled_in_place_step(model, optimizer, x, y):
+    x.mul_(0.5)  # written through to the caller's tensor, here a view of a larger one
+    return classification_step(model, optimizer, x, y)
+
+
+class WordLM(nn.Module):
+    """pytorch/examples' word_language_model (LSTM, tied encoder/decoder weights), without dropout.
+    Its sequences are (time, batch): the batch is dim 1."""
+
+    def __init__(self, vocab: int = 32, d: int = 16, layers: int = 2):
+        super().__init__()
+        self.encoder, self.rnn, self.decoder = nn.Embedding(vocab, d), nn.LSTM(d, d, layers), nn.Linear(d, vocab)
+        self.decoder.weight = self.encoder.weight
+
+    def forward(self, tokens, hidden):
+        output, hidden = self.rnn(self.encoder(tokens), hidden)
+        return F.log_softmax(self.decoder(output), dim=-1), hidden
+
+
+def truncated_bptt_step(model, tokens, targets, h, c):
+    """The example's loop body: detach the carried state, clip, then its manual SGD on ``p.data``."""
+    model.zero_grad()
+    output, (h, c) = model(tokens, (h.detach(), c.detach()))
+    loss = F.nll_loss(output.reshape(-1, output.size(-1)), targets.reshape(-1))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+    for p in model.parameters():
+        p.data.add_(p.grad, alpha=-1.0)
+    return loss, h, c
+
+
+def run_batch_layouts(rank: int, world: int, plan: str) -> dict:
+    """Worker: batches that are views (not contiguous) and state a step returns and gets back, compiled
+    on ``world`` ranks and on one device over the global batch. Each rank passes its rows as a view of
+    the global tensor (``tensor_split``), as a loader's slices would be."""
+    mesh = _mesh(plan, world)
+    results = {}
+
+    def mine(t, dim=0):
+        return t.tensor_split(world, dim)[rank]
+
+    def pair(model_fn, optimizer_fn, step, plan_obj):
+        torch.manual_seed(0)
+        model = model_fn()
+        ref = copy.deepcopy(model)
+        compiled = spmd.compile(mesh=mesh, plan=plan_obj, lower="eager")(step)
+        opts = [optimizer_fn(m.parameters()) for m in (model, ref)] if optimizer_fn else [None, None]
+        return model, ref, compiled, opts
+
+    def params(model, ref):
+        return {k: (_full(v).detach().clone(), r.detach().clone()) for (k, v), r in zip(model.named_parameters(), ref.parameters())}
+
+    # A language model's inputs and targets: two overlapping views of one token tensor. Odd calls pass
+    # contiguous copies, so the graph compiled for one layout also serves the other.
+    model, ref, compiled, (opt, ref_opt) = pair(TinyLM, lambda ps: torch.optim.AdamW(ps, lr=1e-2), next_token_step, PLANS[plan][1]())
+    losses = []
+    for i in range(4):
+        data = torch.randint(0, 32, (8, 13), generator=torch.Generator().manual_seed(i))
+        x, y = mine(data[:, :-1]), mine(data[:, 1:])
+        if i % 2:
+            x, y = x.contiguous(), y.contiguous()
+        losses.append((compiled(model, opt, x, y), next_token_step(ref, ref_opt, data[:, :-1], data[:, 1:])))
+    results["views"] = {"losses": losses, "params": params(model, ref), "compilations": sum(len(v) for v in compiled.cache.values())}
+
+    # A transposed batch, written in place by the step: the caller's tensor sees the write.
+    model, ref, compiled, (opt, ref_opt) = pair(TwoLayer, lambda ps: torch.optim.SGD(ps, lr=0.1), scaled_in_place_step, PLANS[plan][1]())
+    features = torch.randn(16, BATCH, generator=torch.Generator().manual_seed(7))
+    ref_features = features.clone()
+    labels = torch.randint(0, 4, (BATCH,), generator=torch.Generator().manual_seed(8))
+    x = mine(features.t())
+    loss = compiled(model, opt, x, mine(labels))
+    ref_loss = scaled_in_place_step(ref, ref_opt, ref_features.t(), labels)
+    results["written_in_place"] = {
+        "losses": [(loss, ref_loss)], "params": params(model, ref), "mine": x.clone(), "ref_mine": mine(ref_features.t()),
+    }
+
+    # An RNN's hidden state carried from one call to the next (truncated backpropagation through time).
+    # A call returns the global state; each rank passes its own rows back in.
+    rnn_plan = {"ddp": spmd.DDP, "fsdp": spmd.FSDP}[plan](batch_dim=1)
+    model, ref, compiled, _ = pair(WordLM, None, truncated_bptt_step, rnn_plan)
+    tokens = torch.randint(0, 32, (21, 4), generator=torch.Generator().manual_seed(9))
+    h = c = torch.zeros(2, 4, 16)
+    ref_h = ref_c = torch.zeros(2, 4, 16)
+    losses = []
+    for i in range(4):
+        x, y = tokens[5 * i:5 * i + 5], tokens[5 * i + 1:5 * i + 6]
+        loss, h, c = compiled(model, mine(x, 1), mine(y, 1), mine(h, 1), mine(c, 1))
+        ref_loss, ref_h, ref_c = truncated_bptt_step(ref, x, y, ref_h, ref_c)
+        losses.append((loss, ref_loss))
+    results["rnn_state"] = {"losses": losses, "params": params(model, ref), "state": (h, ref_h), "cell": (c, ref_c)}
+    try:  # The returned (global) state passed back as it is.
+        compiled(model, mine(x, 1), mine(y, 1), h, c)
+        results["global_state_passed_back"] = "no error"
+    except spmd.SpmdError as e:
+        results["global_state_passed_back"] = f"{type(e).__name__}: {e}"
+    return results

@@ -193,3 +193,25 @@ def test_gan_two_compiled_steps_share_one_model():
             for k in r["ref_params"]:
                 torch.testing.assert_close(r["params"][k], r["ref_params"][k], rtol=RTOL, atol=ATOL, msg=lambda m: f"{plan} {k}: {m}")
             assert r["compilations"] == [1, 1], (plan, r["compilations"])
+
+
+@pytest.mark.parametrize("plan", ["ddp", "fsdp"])
+def test_batch_views_and_state_carried_across_calls(plan):
+    """A language model's ``data[:, :-1]`` / ``data[:, 1:]``, a transposed batch written in place, and
+    an LSTM's hidden state returned by one call and passed back (sliced) to the next: same as one device.
+    Non-contiguous batches failed before (the graph's ``view`` of the contiguous traced input)."""
+    per_rank = run_local(loops.run_batch_layouts, 2, plan, timeout_s=600)
+    for rank, res in enumerate(per_rank):
+        for case in ("views", "written_in_place", "rnn_state"):
+            for loss, ref_loss in res[case]["losses"]:
+                torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL, msg=f"{case} loss")
+            for name, (value, ref_value) in res[case]["params"].items():
+                torch.testing.assert_close(value, ref_value, rtol=RTOL, atol=ATOL, msg=f"{case} {name}")
+        assert res["views"]["compilations"] == 1
+        torch.testing.assert_close(res["written_in_place"]["mine"], res["written_in_place"]["ref_mine"])
+        for state, ref_state in (res["rnn_state"]["state"], res["rnn_state"]["cell"]):
+            torch.testing.assert_close(state, ref_state, rtol=RTOL, atol=ATOL)
+        message = res["global_state_passed_back"]
+        assert message.startswith("BatchError"), message
+        assert "argument 3 has the rows of all 2 data-parallel ranks: a tensor an earlier call returned?" in message
+        assert "`t.tensor_split(2, dim=1)[mesh.get_local_rank(0)]`" in message
