@@ -234,8 +234,19 @@ def distribute_state(
         for b in model.buffers():
             if not isinstance(b, DTensor) and not b.is_meta:
                 b.copy_(distribute_tensor(b, mesh, replicate(mesh)).to_local())
+    _make_buffers_contiguous(model)
     _rebind_parameters(model, optimizer, new)
     _refuse_lost_data_assignments(model)
+
+
+def _make_buffers_contiguous(model: nn.Module) -> None:
+    """Replace each buffer that is not contiguous (``torch.randn(4, 16).t()``) by a contiguous copy
+    with the same values, as graph inputs are traced contiguous (:func:`_in_traced_layout` for batches;
+    a buffer may be written by the step in place, so the copy takes its place in the module)."""
+    for module in model.modules():
+        for name, b in module._buffers.items():
+            if b is not None and not b.is_contiguous():
+                module._buffers[name] = b.contiguous()
 
 
 def _distribute(tensor: torch.Tensor, mesh: DeviceMesh, placements) -> DTensor:

@@ -1016,6 +1016,19 @@ def truncated_bptt_step(model, tokens, targets, h, c):
     return loss, h, c
 
 
+class TransposedState(nn.Module):
+    """A buffer and a parameter created as transposes (not contiguous), reshaped in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+        self.register_buffer("scale", torch.rand(4, 16).t())
+        self.w = nn.Parameter(torch.randn(4, 16).t())
+
+    def forward(self, x):
+        return self.fc(x * self.scale.reshape(-1)[:16]) + x @ self.w.reshape(16, 4)
+
+
 def run_batch_layouts(rank: int, world: int, plan: str) -> dict:
     """Worker: batches that are views (not contiguous) and state a step returns and gets back, compiled
     on ``world`` ranks and on one device over the global batch. Each rank passes its rows as a view of
@@ -1060,6 +1073,14 @@ def run_batch_layouts(rank: int, world: int, plan: str) -> dict:
     results["written_in_place"] = {
         "losses": [(loss, ref_loss)], "params": params(model, ref), "mine": x.clone(), "ref_mine": mine(ref_features.t()),
     }
+
+    # A module whose buffer and parameter are not contiguous.
+    model, ref, compiled, (opt, ref_opt) = pair(TransposedState, lambda ps: torch.optim.AdamW(ps, lr=1e-2), classification_step, PLANS[plan][1]())
+    losses = []
+    for i in range(2):
+        x, y = _batch(i)
+        losses.append((compiled(model, opt, mine(x), mine(y)), classification_step(ref, ref_opt, x, y)))
+    results["transposed_state"] = {"losses": losses, "params": params(model, ref)}
 
     # An RNN's hidden state carried from one call to the next (truncated backpropagation through time).
     # A call returns the global state; each rank passes its own rows back in.
