@@ -377,6 +377,8 @@ class CompiledStep:
         self._state_attempted: "weakref.WeakKeyDictionary[torch.optim.Optimizer, set]" = weakref.WeakKeyDictionary()
         self.requires_gradient_sync = True
         self._binding: Optional[_Binding] = None
+        # The batch shapes and dtypes graphs were compiled for, first seen first.
+        self._batch_shapes: list[tuple] = []
         functools.update_wrapper(self, fn)
 
     def reset(self) -> None:
@@ -386,6 +388,7 @@ class CompiledStep:
         self.cache.clear()
         self.redistribute_cache = RedistributeCache()
         self._binding = None
+        self._batch_shapes.clear()
 
     # ------------------------------------------------------------------ gradient accumulation
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
@@ -608,12 +611,38 @@ class CompiledStep:
                     f"graphs for this step): {why}",
                     stacklevel=3,
                 )
+            self._note_batch_shapes(batch_leaves)
             artifacts = self._compile(args, kwargs, model, optimizer, roles, specs, placements, locals_ + values)
             compiled.append(artifacts)
         self.last = artifacts
         self._bind(model, optimizer, taken, roles, placements, specs, locals_, batch_leaves, constants, hyperparameters, artifacts)
         outputs = artifacts.runner(*locals_, *values)
         return self._write_back(artifacts.traced, outputs, model, optimizer)
+
+    def _note_batch_shapes(self, batch_leaves: Sequence[torch.Tensor]) -> None:
+        """Warn when a graph is compiled for batch shapes no earlier graph of this step had: each
+        distinct shape is traced and compiled once, so batches padded to their longest sequence (a
+        collator's dynamic padding) compile once per length, which a user sees as a long stall."""
+        shapes = tuple((tuple(t.shape), t.dtype) for t in batch_leaves)
+        if shapes in self._batch_shapes:
+            return
+        self._batch_shapes.append(shapes)
+        if len(self._batch_shapes) == 1:
+            return
+        before = self._batch_shapes[-2]
+        changed = [
+            f"argument {i}: {new} {str(dtype).replace('torch.', '')}, before {old} {str(old_dtype).replace('torch.', '')}"
+            for i, ((new, dtype), (old, old_dtype)) in enumerate(zip(shapes, before))
+            if (new, dtype) != (old, old_dtype)
+        ] or [f"{len(shapes)} tensor arguments, before {len(before)}"]
+        warnings.warn(
+            f"spmd.compile: compiling {getattr(self.fn, '__name__', 'the step')} for new batch shapes "
+            f"({len(self._batch_shapes)} shapes so far; {'; '.join(changed)}). Every distinct batch shape is "
+            f"traced and compiled once (cached); batches padded to their longest sequence compile once per "
+            f"length. Pad every batch to one length, or a few (a tokenizer's padding=\"max_length\", "
+            f"DataCollatorWithPadding(pad_to_multiple_of=64))",
+            stacklevel=4,
+        )
 
     def _write_back(self, traced: TracedStep, outputs: Sequence[torch.Tensor], model, optimizer) -> Any:
         """Store new optimizer states and gradients as DTensors; return the user's values."""

@@ -1102,3 +1102,28 @@ def run_batch_layouts(rank: int, world: int, plan: str) -> dict:
     except spmd.SpmdError as e:
         results["global_state_passed_back"] = f"{type(e).__name__}: {e}"
     return results
+
+
+def run_changing_batch_shapes(rank: int, world: int) -> dict:
+    """Worker: language-model batches padded to 8, 12, 8 and 12 tokens: two graphs, one warning."""
+    import warnings
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    compiled = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(next_token_step)
+    losses = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, length in enumerate((8, 12, 8, 12)):
+            data = torch.randint(0, 32, (8, length + 1), generator=torch.Generator().manual_seed(i))
+            x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+            loss = compiled(model, opt, x.tensor_split(world)[rank], y.tensor_split(world)[rank])
+            losses.append((loss, next_token_step(ref, ref_opt, x, y)))
+    return {
+        "losses": losses,
+        "compilations": sum(len(v) for v in compiled.cache.values()),
+        "warnings": [(str(w.message), w.filename) for w in caught if "new batch shapes" in str(w.message)],
+    }

@@ -215,3 +215,17 @@ def test_batch_views_and_state_carried_across_calls(plan):
         assert message.startswith("BatchError"), message
         assert "argument 3 has the rows of all 2 data-parallel ranks: a tensor an earlier call returned?" in message
         assert "`t.tensor_split(2, dim=1)[mesh.get_local_rank(0)]`" in message
+
+
+def test_a_new_batch_shape_compiles_once_with_a_warning():
+    """Dynamic padding (a batch per sequence length) compiles once per length: the second length
+    warns, naming the shapes and the fix; a length seen before reuses its graph silently."""
+    for res in run_local(loops.run_changing_batch_shapes, 2, timeout_s=600):
+        for loss, ref_loss in res["losses"]:
+            torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+        assert res["compilations"] == 2
+        assert len(res["warnings"]) == 1, res["warnings"]
+        message, filename = res["warnings"][0]
+        assert "compiling next_token_step for new batch shapes (2 shapes so far; argument 0: (4, 12) int64, before (4, 8) int64; argument 1: (4, 12) int64, before (4, 8) int64)" in message, message
+        assert "pad_to_multiple_of" in message
+        assert filename.endswith("loops.py"), filename  # points at the caller's line
