@@ -234,6 +234,34 @@ def _bart(attn):
     )
 
 
+class LoRALinear(torch.nn.Module):
+    """A low-rank adapter around a frozen linear layer (LoRA, Hu et al. 2021, as PEFT applies it):
+    ``base(x) + (x A^T B^T) * alpha / r``."""
+
+    def __init__(self, base: torch.nn.Linear, r: int = 4, alpha: float = 8.0):
+        super().__init__()
+        self.base = base
+        self.lora_A = torch.nn.Parameter(torch.randn(r, base.in_features) / base.in_features**0.5)
+        self.lora_B = torch.nn.Parameter(torch.randn(base.out_features, r) * 0.01)
+        self.scaling = alpha / r
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.lora_A.t() @ self.lora_B.t()) * self.scaling
+
+
+def _llama_lora_checkpointed(config) -> torch.nn.Module:
+    """LoRA fine-tuning as scripts do it: the base model frozen, adapters on the query and value
+    projections, HF's gradient checkpointing on (with ``enable_input_require_grads``, as PEFT does)."""
+    model = transformers.LlamaForCausalLM(config)
+    model.requires_grad_(False)
+    for layer in model.model.layers:
+        layer.self_attn.q_proj = LoRALinear(layer.self_attn.q_proj)
+        layer.self_attn.v_proj = LoRALinear(layer.self_attn.v_proj)
+    model.gradient_checkpointing_enable()
+    model.enable_input_require_grads()
+    return model.train()
+
+
 ZOO: dict[str, Arch] = {
     "gpt2": Arch(_gpt2, transformers.GPT2LMHeadModel),
     "llama": Arch(_llama, transformers.LlamaForCausalLM),
@@ -246,10 +274,11 @@ ZOO: dict[str, Arch] = {
     "vit": Arch(_vit, transformers.ViTForImageClassification, image_batch, image_step),
     "wav2vec2": Arch(_wav2vec2, transformers.Wav2Vec2ForSequenceClassification, audio_batch, audio_step),
     "resnet": Arch(_resnet, transformers.ResNetForImageClassification, image_batch, image_step, attention="none"),
-    # Variants: eager attention, a padding mask, mixtures of experts (batched, and grouped with the
-    # user's sharding rule for its custom ops).
+    # Variants: eager attention, a padding mask, LoRA with gradient checkpointing, mixtures of
+    # experts (batched, and grouped with the user's sharding rule for its custom ops).
     "gpt2_eager_attention": Arch(_gpt2, transformers.GPT2LMHeadModel, attention="eager"),
     "llama_padded": Arch(_llama, transformers.LlamaForCausalLM, padded_causal_batch, padded_lm_step),
+    "llama_lora_checkpointed": Arch(_llama, _llama_lora_checkpointed),
     "mixtral": Arch(_mixtral, transformers.MixtralForCausalLM, expect_ops=("aten.bmm.default",)),
     "mixtral_grouped_mm": Arch(
         lambda attn: _mixtral(attn, "grouped_mm"),

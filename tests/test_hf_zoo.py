@@ -28,6 +28,7 @@ RUNS = [(name, plan, "eager") for plan in ("ddp", "fsdp") for name in BOTH_PLANS
     ("resnet", "ddp", "eager"),
     ("wav2vec2", "fsdp", "eager"),
     ("llama_padded", "fsdp", "eager"),
+    ("llama_lora_checkpointed", "fsdp", "eager"),  # frozen sharded base, trainable adapters
     ("mixtral", "fsdp", "eager"),
     ("mixtral_grouped_mm", "ddp", "eager"),  # with the user's register_sharding for its custom ops
     ("gpt2", "ddp", "inductor"),
