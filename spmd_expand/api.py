@@ -237,6 +237,28 @@ def distribute_state(
     _make_buffers_contiguous(model)
     _rebind_parameters(model, optimizer, new)
     _refuse_lost_data_assignments(model)
+    if new and model not in _ACCEPTS_FULL_STATE_DICTS:
+        model.register_load_state_dict_pre_hook(_distribute_loaded_tensors)
+        _ACCEPTS_FULL_STATE_DICTS.add(model)
+
+
+# Models whose load_state_dict turns plain full tensors into DTensors (:func:`_distribute_loaded_tensors`).
+_ACCEPTS_FULL_STATE_DICTS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def _distribute_loaded_tensors(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """``load_state_dict`` pre-hook of a model whose parameters are DTensors: a plain tensor of a
+    parameter's full (global) shape, as ``torch.save(model.state_dict())`` of a single-device model
+    or ``{k: v.full_tensor()}`` wrote it, is distributed with the parameter's placements first, from
+    the mesh's first rank, as :func:`distribute_state` does on the first call; ``param.copy_`` of a
+    plain tensor into a DTensor would raise. Other entries (DTensors, buffers, wrong shapes: torch's
+    size-mismatch error) are left to ``load_state_dict``. ``state_dict`` is torch's copy of the
+    caller's dict; the caller's tensors are not written (the broadcast goes to a copy)."""
+    for fqn, param in module.named_parameters():
+        value = state_dict.get(prefix + fqn)
+        if isinstance(param, DTensor) and type(value) is torch.Tensor and value.shape == param.shape:
+            source = value.detach().to(device=param.to_local().device, copy=True)
+            state_dict[prefix + fqn] = _distribute(source, param.device_mesh, param.placements)
 
 
 def _make_buffers_contiguous(model: nn.Module) -> None:

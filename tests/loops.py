@@ -462,6 +462,19 @@ def count_steps(i, pair):
     pair["model"].seen += 1  # not read by the step: no new graph
 
 
+def load_full_state_dict(i, pair):
+    """``model.load_state_dict`` of a single-device checkpoint (plain full tensors, as
+    ``torch.save(model.state_dict())`` of an unwrapped model wrote it) after two calls: on the
+    compiled side the parameters are DTensors by then. The loaded dict itself is left as it was."""
+    if i != 2:
+        return
+    torch.manual_seed(5)
+    checkpoint = TwoLayer().state_dict()
+    kept = {k: v.clone() for k, v in checkpoint.items()}
+    pair["model"].load_state_dict(checkpoint)
+    assert all(type(v) is torch.Tensor and torch.equal(v, kept[k]) for k, v in checkpoint.items())
+
+
 LOSS_SCALE = 1.0  # a global the step reads
 
 
@@ -706,6 +719,7 @@ SCENARIOS: dict[str, dict] = {
     "torch_compiled_block": dict(model_fn=CompiledBlock),
     # A buffer assigned in forward is written back like one updated in place.
     "buffer_assigned": dict(model_fn=RunningMean),
+    "load_full_state_dict": dict(between=load_full_state_dict),
     "adam_single_tensor_deep": dict(model_fn=_deep_mlp, optimizer_fn=lambda ps: torch.optim.Adam(ps, lr=1e-2), steps=5),
     "adam_foreach_deep": dict(model_fn=_deep_mlp, optimizer_fn=lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True), steps=5),
     # Parameters and optimizer states in bfloat16, the LR changed every step by a scheduler.
