@@ -463,15 +463,21 @@ def count_steps(i, pair):
 
 
 def load_full_state_dict(i, pair):
-    """``model.load_state_dict`` of a single-device checkpoint (plain full tensors, as
-    ``torch.save(model.state_dict())`` of an unwrapped model wrote it) after two calls: on the
-    compiled side the parameters are DTensors by then. The loaded dict itself is left as it was."""
+    """``model.load_state_dict`` and ``optimizer.load_state_dict`` of a single-device checkpoint
+    (plain full tensors, as ``torch.save`` of an unwrapped model's and its optimizer's state dicts
+    wrote them) after two calls: on the compiled side the parameters are DTensors by then. The loaded
+    model dict itself is left as it was."""
     if i != 2:
         return
     torch.manual_seed(5)
-    checkpoint = TwoLayer().state_dict()
+    model = TwoLayer()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    model(torch.randn(4, 16)).sum().backward()
+    optimizer.step()
+    checkpoint = model.state_dict()
     kept = {k: v.clone() for k, v in checkpoint.items()}
     pair["model"].load_state_dict(checkpoint)
+    pair["optimizer"].load_state_dict(optimizer.state_dict())
     assert all(type(v) is torch.Tensor and torch.equal(v, kept[k]) for k, v in checkpoint.items())
 
 
