@@ -261,6 +261,34 @@ def _distribute_loaded_tensors(module: nn.Module, state_dict: dict, prefix: str,
             state_dict[prefix + fqn] = _distribute(source, param.device_mesh, param.placements)
 
 
+# Models spmd.compile converted, whose forward refuses plain tensors outside a step (:func:`_refuse_eager_call`).
+_EAGER_CALLS_REFUSED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def _refuse_eager_call(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of a model ``spmd.compile`` converted: calling it eagerly on real plain tensors
+    (an evaluation or sampling loop outside the compiled step, e.g. nanoGPT's ``estimate_loss``) would
+    meet DTensor parameters and stop in DTensor's "mixed torch.Tensor and DTensor" error; this names
+    the fix instead. Calls the step's trace makes (fake tensors) and Dynamo's are let through."""
+    if torch.compiler.is_compiling():
+        return
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if not tensors or not all(type(t) is torch.Tensor for t in tensors):
+        return
+    param = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
+    if param is None:
+        return
+    raise PlanError(
+        f"{type(model).__name__} was called outside a compiled step on plain tensors, but spmd.compile made its "
+        f"parameters DTensors on its first call (e.g. placements {tuple(param.placements)} on {param.device_mesh})\n"
+        f"  fix: run the evaluation as a compiled step with the same mesh and plan, on this rank's part of the "
+        f"batch: `evaluate = spmd.compile(mesh=mesh, plan=plan)(lambda model, x, y: loss_fn(model(x), y))` "
+        f"(it returns global values; README, 'Evaluation steps'); for a single-device copy of the model "
+        f"(sampling, export), load `get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))` "
+        f"(torch.distributed.checkpoint.state_dict) into a fresh model"
+    )
+
+
 def _make_buffers_contiguous(model: nn.Module) -> None:
     """Replace each buffer that is not contiguous (``torch.randn(4, 16).t()``) by a contiguous copy
     with the same values, as graph inputs are traced contiguous (:func:`_in_traced_layout` for batches;
@@ -516,6 +544,9 @@ class CompiledStep:
             self._plans[model] = resolve_plan(self.plan, self.mesh, model)
         self._resolved = self._plans[model]
         self._distribute_state(model, optimizer)
+        if model not in _EAGER_CALLS_REFUSED:
+            model.register_forward_pre_hook(_refuse_eager_call, with_kwargs=True)
+            _EAGER_CALLS_REFUSED.add(model)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_inference_mode_enabled():

@@ -536,3 +536,21 @@ def test_seeding_torch_inside_the_step_is_refused_and_the_generator_kept(fake_me
         ddp(fake_mesh, _seeding_step)(model, sgd(model), torch.randn(4, 8))
     assert "seed before calling the compiled step" in str(info.value)
     assert torch.initial_seed() == 5  # the generator is as before the trace, not seeded with 1234
+
+
+def test_calling_the_converted_model_outside_a_step_names_the_fix(fake_mesh):
+    """An eager evaluation after training started (nanoGPT's estimate_loss) meets DTensor parameters:
+    a PlanError naming the compiled evaluation step, not DTensor's mixed Tensor/DTensor error. Calls
+    with DTensor inputs, and the step's own trace, are let through."""
+    model = MLP()
+    compiled = ddp(fake_mesh)
+    compiled(model, sgd(model), torch.randn(8, 16), torch.randn(8, 16))
+    with pytest.raises(spmd.PlanError) as info, torch.no_grad():
+        model(torch.randn(2, 16))
+    message = str(info.value)
+    assert message.startswith("MLP was called outside a compiled step on plain tensors")
+    assert "placements (Replicate(),)" in message
+    assert "evaluate = spmd.compile(mesh=mesh, plan=plan)" in message
+    x = DTensor.from_local(torch.randn(2, 16), fake_mesh, [Replicate()])
+    assert isinstance(model(x), DTensor)
+    compiled(model, sgd(model), torch.randn(8, 16), torch.randn(8, 16))  # the hook does not stop the step
