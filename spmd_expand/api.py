@@ -699,7 +699,10 @@ class CompiledStep:
 
     def _write_back(self, traced: TracedStep, outputs: Sequence[torch.Tensor], model, optimizer) -> Any:
         """Store new optimizer states and gradients as DTensors; return the user's values."""
-        if len(traced.outputs) == traced.return_is_tensor.count(True) and not traced.cleared_grads and not traced.state_writes and not traced.group_writes:
+        if (
+            len(traced.outputs) == traced.return_is_tensor.count(True) and not traced.cleared_grads
+            and not traced.state_writes and not traced.group_writes and not traced.mode_writes
+        ):
             # Only the user's values (the steady state: states updated in place, gradients cleared
             # by zero_grad before the step ended).
             return pytree.tree_unflatten(_fill(outputs, traced.return_is_tensor), traced.return_spec)
@@ -721,6 +724,10 @@ class CompiledStep:
             optimizer.state[params[fqn]][key] = value
         for index, key, value in traced.group_writes:
             optimizer.param_groups[index][key] = value
+        if traced.mode_writes:
+            modules = dict(model.named_modules())
+            for fqn, training in traced.mode_writes:
+                modules[fqn].training = training
         return pytree.tree_unflatten(_fill(returns, traced.return_is_tensor), traced.return_spec)
 
 

@@ -220,6 +220,9 @@ class TracedStep:
     state_writes: list[tuple[str, str, Any]] = field(default_factory=list)
     # Int/bool param-group settings the step set, (group index, key, value): stored back the same way.
     group_writes: list[tuple[int, str, Any]] = field(default_factory=list)
+    # Submodules whose train()/eval() mode the step set, (fqn, training): set again after every run of
+    # the graph (the mode before the call is part of its cache key, so the mode after is fixed).
+    mode_writes: list[tuple[str, bool]] = field(default_factory=list)
 
     @functools.cached_property
     def mutated_batch_leaves(self) -> frozenset[int]:
@@ -950,6 +953,7 @@ def trace_step(
                 out.append(ops.gradient(p.grad, fqn))
         return out
 
+    modes_before = {fqn: m.training for fqn, m in model.named_modules()}
     user_functions = [fn, *forward_functions(model)]
     settings_objects = settings_variables(user_functions)
     state = StateWatch(user_functions, model)
@@ -1051,6 +1055,7 @@ def trace_step(
         PythonGuards(code_reads(user_functions) + recorded[-1].values, global_state, recorded[-1].module_reads),
         list(state_writes),
         list(group_writes),
+        [(fqn, m.training) for fqn, m in model.named_modules() if modes_before.get(fqn) != m.training],
     )
 
 

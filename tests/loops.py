@@ -462,6 +462,28 @@ def count_steps(i, pair):
     pair["model"].seen += 1  # not read by the step: no new graph
 
 
+def train_mode_step(model, optimizer, x, y):
+    model.train()  # the step sets its own mode, as many training loops' train functions do
+    return classification_step(model, optimizer, x, y)
+
+
+def eval_mode_step(model, x, y):
+    model.eval()
+    logits = model(x)
+    return F.cross_entropy(logits, y), logits
+
+
+def evaluate_setting_its_own_mode(i, pair):
+    """Before each training call: the mode the last call left, a compiled evaluation that sets eval
+    mode itself, and the mode it left (recorded as tensors, compared with one device's)."""
+    if "evaluate" not in pair:
+        pair["evaluate"] = pair["compile"](eval_mode_step)
+    pair["evals"].append(torch.tensor(float(pair["model"].training)))
+    with torch.no_grad():
+        loss, logits = pair["evaluate"](pair["model"], *pair["shard"](*_batch(50 + i)))
+    pair["evals"] += [loss.detach().clone(), logits.detach().clone(), torch.tensor(float(pair["model"].training))]
+
+
 def load_full_state_dict(i, pair):
     """``model.load_state_dict`` and ``optimizer.load_state_dict`` of a single-device checkpoint
     (plain full tensors, as ``torch.save`` of an unwrapped model's and its optimizer's state dicts
@@ -726,6 +748,7 @@ SCENARIOS: dict[str, dict] = {
     # A buffer assigned in forward is written back like one updated in place.
     "buffer_assigned": dict(model_fn=RunningMean),
     "load_full_state_dict": dict(between=load_full_state_dict),
+    "modes_set_inside_steps": dict(step=train_mode_step, between=evaluate_setting_its_own_mode),
     "adam_single_tensor_deep": dict(model_fn=_deep_mlp, optimizer_fn=lambda ps: torch.optim.Adam(ps, lr=1e-2), steps=5),
     "adam_foreach_deep": dict(model_fn=_deep_mlp, optimizer_fn=lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True), steps=5),
     # Parameters and optimizer states in bfloat16, the LR changed every step by a scheduler.
