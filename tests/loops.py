@@ -469,8 +469,7 @@ def train_mode_step(model, optimizer, x, y):
 
 def eval_mode_step(model, x, y):
     model.eval()
-    logits = model(x)
-    return F.cross_entropy(logits, y), logits
+    return eval_loss_and_logits(model, x, y)
 
 
 def evaluate_setting_its_own_mode(i, pair):

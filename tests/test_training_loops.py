@@ -198,8 +198,9 @@ def test_gan_two_compiled_steps_share_one_model():
 @pytest.mark.parametrize("plan", ["ddp", "fsdp"])
 def test_batch_views_and_state_carried_across_calls(plan):
     """A language model's ``data[:, :-1]`` / ``data[:, 1:]``, a transposed batch written in place, a
-    transposed buffer and parameter, and an LSTM's hidden state returned by one call and passed back (sliced) to the next: same as one device.
-    Non-contiguous batches failed before (the graph's ``view`` of the contiguous traced input)."""
+    transposed buffer and parameter, and an LSTM's hidden state returned by one call and passed back
+    (sliced) to the next: same as one device. Non-contiguous batches failed before (the graph's
+    ``view`` of the contiguous traced input)."""
     per_rank = run_local(loops.run_batch_layouts, 2, plan, timeout_s=600)
     for rank, res in enumerate(per_rank):
         for case in ("views", "written_in_place", "transposed_state", "rnn_state"):
