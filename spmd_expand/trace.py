@@ -1467,16 +1467,29 @@ def _refuse_recomputed_draws(gm: fx.GraphModule) -> None:
 
 
 def _widen_scalar_states(by_role, states, real_params, fqns) -> list:
-    """Give the optimizer float64 copies of its 0-d float32 states (Adam's ``step``) while tracing.
+    """Give the optimizer float64 copies of its 0-d float32 bookkeeping states (Adam's ``step``,
+    NAdam's ``mu_product``) while tracing.
 
     The eager default path reads them with ``.item()`` into Python floats and computes bias
     corrections in double precision; traced, they stay tensors, and in float32 the update would
     round differently (up to 2.4e-5 after 5 Adam steps of a 10-layer MLP at lr 1e-2). The copies are
     written back into the float32 states after the step. Returns (state, copy, fqn, key) tuples.
+
+    A 0-d *parameter* (a learnable temperature, CLIP's ``logit_scale``) also has 0-d elementwise
+    states (``exp_avg``), which the update combines with its float32 gradient and must stay float32:
+    for it, only keys that are 0-d for some parameter that is not (``step``, when every parameter is
+    0-d) are bookkeeping.
     """
+    scalar_keys = {
+        role.key
+        for role, t in by_role.items()
+        if role.kind == "state" and t.dim() == 0 and real_params[role.fqn].dim() > 0
+    } or {"step"}
     widened = []
     for role, t in by_role.items():
-        if role.kind == "state" and role.fqn in fqns and t.dim() == 0 and t.dtype == torch.float32:
+        if role.kind != "state" or role.fqn not in fqns or t.dim() != 0 or t.dtype != torch.float32:
+            continue
+        if real_params[role.fqn].dim() > 0 or role.key in scalar_keys:
             wide = t.to(torch.float64)
             states[id(real_params[role.fqn])][role.key] = wide
             widened.append((t, wide, role.fqn, role.key))

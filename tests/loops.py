@@ -43,6 +43,19 @@ class TwoLayer(nn.Module):
         return self.fc2(h * 0.5 if self.training else h)
 
 
+class LearnableTemperature(TwoLayer):
+    """0-d parameters: CLIP's learnable ``logit_scale`` (used through ``exp()``) and the magnitude of
+    a weight-normed layer (``parametrizations.weight_norm(dim=None)``): their Adam states are 0-d too."""
+
+    def __init__(self):
+        super().__init__()
+        self.logit_scale = nn.Parameter(torch.tensor(0.5))
+        torch.nn.utils.parametrizations.weight_norm(self.fc2, dim=None)
+
+    def forward(self, x):
+        return super().forward(x) * self.logit_scale.exp()
+
+
 class PureBf16(TwoLayer):
     """:class:`TwoLayer` with bfloat16 parameters (``model.bfloat16()``, as LLM fine-tuning scripts do):
     its optimizer states are bfloat16 too. Float32 batches are cast on the way in, logits on the way out."""
@@ -747,6 +760,7 @@ SCENARIOS: dict[str, dict] = {
     # A buffer assigned in forward is written back like one updated in place.
     "buffer_assigned": dict(model_fn=RunningMean),
     "load_full_state_dict": dict(between=load_full_state_dict),
+    "learnable_temperature_adamw": dict(model_fn=LearnableTemperature),
     "modes_set_inside_steps": dict(step=train_mode_step, between=evaluate_setting_its_own_mode),
     "adam_single_tensor_deep": dict(model_fn=_deep_mlp, optimizer_fn=lambda ps: torch.optim.Adam(ps, lr=1e-2), steps=5),
     "adam_foreach_deep": dict(model_fn=_deep_mlp, optimizer_fn=lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True), steps=5),
