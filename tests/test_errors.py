@@ -205,6 +205,33 @@ def test_embedding_max_norm_is_refused_not_lost(fake_mesh):
     assert "embedding_renorm_" in msg and "'emb.weight'" in msg and "torch.embedding_renorm_(emb.weight" in msg, msg
 
 
+def test_sparse_embedding_gradients_are_refused_naming_the_module(fake_mesh):
+    """nn.Embedding(sparse=True) + SparseAdam: the traced gradient is dense, so SparseAdam would fail
+    inside the trace with its own error; the refusal names the module and the fix before tracing."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(20, 8, sparse=True)
+
+        def forward(self, ids):
+            return self.emb(ids).sum()
+
+    def step(model, optimizer, ids):
+        loss = model(ids)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    model = Model()
+    optimizer = torch.optim.SparseAdam(list(model.parameters()), lr=1e-2)
+    with pytest.raises(spmd.TraceError) as info:
+        ddp(fake_mesh, step)(model, optimizer, torch.randint(0, 20, (4, 3)))
+    msg = str(info.value)
+    assert "Embedding emb has sparse=True" in msg and "sparse=False" in msg, msg
+    assert not optimizer.state
+
+
 def test_returning_python_number_is_a_trace_error(fake_mesh):
     def step(model, optimizer, x):
         loss = model(x).pow(2).mean()
