@@ -265,21 +265,34 @@ def _distribute_loaded_tensors(module: nn.Module, state_dict: dict, prefix: str,
 _EAGER_CALLS_REFUSED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
-def _refuse_eager_call(model: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook of a model ``spmd.compile`` converted: calling it eagerly on real plain tensors
-    (an evaluation or sampling loop outside the compiled step, e.g. nanoGPT's ``estimate_loss``) would
-    meet DTensor parameters and stop in DTensor's "mixed torch.Tensor and DTensor" error; this names
-    the fix instead. Calls the step's trace makes (fake tensors) and Dynamo's are let through."""
+def _refuse_eager_calls(model: nn.Module) -> None:
+    """Register :func:`_refuse_eager_call` on ``model`` and on each submodule that holds parameters
+    itself (a GAN's generator in a ``ModuleDict``, ``model.lm_head``), once per model."""
+    if model in _EAGER_CALLS_REFUSED:
+        return
+    for fqn, module in model.named_modules():
+        if module is model or module._parameters:
+            module.register_forward_pre_hook(functools.partial(_refuse_eager_call, fqn, model), with_kwargs=True)
+    _EAGER_CALLS_REFUSED.add(model)
+
+
+def _refuse_eager_call(fqn: str, root: nn.Module, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of a model ``spmd.compile`` converted (``root``) and of its submodule ``fqn``:
+    calling it eagerly on real plain tensors (an evaluation or sampling loop outside the compiled step,
+    e.g. nanoGPT's ``estimate_loss``) would meet DTensor parameters and stop in DTensor's "mixed
+    torch.Tensor and DTensor" error; this names the fix instead. Calls the step's trace makes (fake
+    tensors) and Dynamo's are let through."""
     if torch.compiler.is_compiling():
         return
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     if not tensors or not all(type(t) is torch.Tensor for t in tensors):
         return
-    param = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
+    param = next((p for p in module.parameters() if isinstance(p, DTensor)), None)
     if param is None:
         return
+    called = type(module).__name__ if module is root else f"{type(module).__name__} {fqn} (a submodule of {type(root).__name__})"
     raise PlanError(
-        f"{type(model).__name__} was called outside a compiled step on plain tensors, but spmd.compile made its "
+        f"{called} was called outside a compiled step on plain tensors, but spmd.compile made its "
         f"parameters DTensors on its first call (e.g. placements {tuple(param.placements)} on {param.device_mesh})\n"
         f"  fix: run the evaluation as a compiled step with the same mesh and plan, on this rank's part of the "
         f"batch: `evaluate = spmd.compile(mesh=mesh, plan=plan)(lambda model, x, y: loss_fn(model(x), y))` "
@@ -544,9 +557,7 @@ class CompiledStep:
             self._plans[model] = resolve_plan(self.plan, self.mesh, model)
         self._resolved = self._plans[model]
         self._distribute_state(model, optimizer)
-        if model not in _EAGER_CALLS_REFUSED:
-            model.register_forward_pre_hook(_refuse_eager_call, with_kwargs=True)
-            _EAGER_CALLS_REFUSED.add(model)
+        _refuse_eager_calls(model)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_inference_mode_enabled():

@@ -578,6 +578,8 @@ def test_calling_the_converted_model_outside_a_step_names_the_fix(fake_mesh):
     assert message.startswith("MLP was called outside a compiled step on plain tensors")
     assert "placements (Replicate(),)" in message
     assert "evaluate = spmd.compile(mesh=mesh, plan=plan)" in message
+    with pytest.raises(spmd.PlanError, match=r"^Linear fc2 \(a submodule of MLP\) was called outside a compiled step"):
+        model.fc2(torch.randn(2, 32))
     x = DTensor.from_local(torch.randn(2, 16), fake_mesh, [Replicate()])
     assert isinstance(model(x), DTensor)
     compiled(model, sgd(model), torch.randn(8, 16), torch.randn(8, 16))  # the hook does not stop the step
