@@ -234,6 +234,40 @@ def _bart(attn):
     )
 
 
+def _clip(attn):
+    # A 0-d learnable temperature (logit_scale) and a contrastive loss over the whole (global) batch;
+    # eos_token_id=2: the text is pooled at each row's largest token id (CLIP's original argmax).
+    text = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                max_position_embeddings=16, projection_dim=16, dropout=0.0, attention_dropout=0.0)
+    vision = dict(image_size=IMAGE, patch_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, projection_dim=16, dropout=0.0, attention_dropout=0.0)
+    return transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16, attn_implementation=attn)
+
+
+def _clip_model(config) -> torch.nn.Module:
+    """CLIPModel with its attention key biases frozen: their exact gradient is zero (softmax ignores a
+    shift shared by every key), and AdamW turns the rounding noise left in its place into steps of
+    size lr, different on every run (one device's too), so those parameters cannot be compared."""
+    model = transformers.CLIPModel(config)
+    for name, p in model.named_parameters():
+        if name.endswith("k_proj.bias"):
+            p.requires_grad_(False)
+    return model
+
+
+def image_text_batch(g: torch.Generator) -> tuple:
+    """(input_ids, pixel_values) of a contrastive image-text model: row i's caption matches row i's image."""
+    return torch.randint(0, VOCAB, (GLOBAL_BATCH, 8), generator=g), torch.randn(GLOBAL_BATCH, 3, IMAGE, IMAGE, generator=g)
+
+
+def image_text_step(model, optimizer, input_ids, pixel_values):
+    out = model(input_ids=input_ids, pixel_values=pixel_values, return_loss=True)
+    out.loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return out.loss
+
+
 class LoRALinear(torch.nn.Module):
     """A low-rank adapter around a frozen linear layer (LoRA, Hu et al. 2021, as PEFT applies it):
     ``base(x) + (x A^T B^T) * alpha / r``."""
@@ -274,6 +308,7 @@ ZOO: dict[str, Arch] = {
     "vit": Arch(_vit, transformers.ViTForImageClassification, image_batch, image_step),
     "wav2vec2": Arch(_wav2vec2, transformers.Wav2Vec2ForSequenceClassification, audio_batch, audio_step),
     "resnet": Arch(_resnet, transformers.ResNetForImageClassification, image_batch, image_step, attention="none"),
+    "clip": Arch(_clip, _clip_model, image_text_batch, image_text_step),
     # Variants: eager attention, a padding mask, LoRA with gradient checkpointing, mixtures of
     # experts (batched, and grouped with the user's sharding rule for its custom ops).
     "gpt2_eager_attention": Arch(_gpt2, transformers.GPT2LMHeadModel, attention="eager"),

@@ -26,6 +26,7 @@ RUNS = [(name, plan, "eager") for plan in ("ddp", "fsdp") for name in BOTH_PLANS
     ("t5", "ddp", "eager"),
     ("vit", "fsdp", "eager"),
     ("resnet", "ddp", "eager"),
+    ("clip", "fsdp", "eager"),  # 0-d logit_scale; contrastive loss over the global batch
     ("wav2vec2", "fsdp", "eager"),
     ("llama_padded", "fsdp", "eager"),
     ("llama_lora_checkpointed", "fsdp", "eager"),  # frozen sharded base, trainable adapters
