@@ -6,7 +6,7 @@
     loss.backward(); optimizer.step()               # eager optimizer, schedulers, clipping, DCP
 
 :func:`parallelize` converts the model as ``spmd.compile``'s first call does
-(:func:`~spmd_expand.api.distribute_state`), makes its buffers replicated DTensors, and wraps the root
+(:func:`~spmd_expand.state.distribute_state`), makes its buffers replicated DTensors, and wraps the root
 module's ``forward``: local batch tensors in (``DTensor.from_local`` with the plan's batch placements),
 local results out (``redistribute`` to the batch placements, then ``to_local``). Dynamo traces through
 the wrapper and the model's own ``forward`` as one frame, so each graph it captures reads DTensor
@@ -54,7 +54,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import ops
-from .api import REPLACED_PARAMETERS, broadcast_materialized_state, distribute_state
+from .state import REPLACED_PARAMETERS, broadcast_materialized_state, distribute_state
 from .boundaries import encode_placement, mark_boundaries
 from .errors import PlanError, SpmdError, TraceError
 from .expand import RedistributeCache

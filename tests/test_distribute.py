@@ -1,4 +1,4 @@
-"""The conversion of parameters to DTensors (``api._distribute``): DTensor's pieces, rank 0's values."""
+"""The conversion of parameters to DTensors (``state._distribute``): DTensor's pieces, rank 0's values."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from spmd_expand.api import _distribute
+from spmd_expand.state import _distribute
 from spmd_expand.app.launch import run_local
 
 import distribute_cases
