@@ -140,8 +140,10 @@ def distribute_state(
         DivergenceError: before the first broadcast, when the ranks' models differ (names, shapes,
             dtypes, ``requires_grad``, placements; :mod:`spmd_expand.rank_check`).
         PlanError: a parameter or buffer of a lazy module (``nn.LazyLinear``, ...) has no shape yet; a
-            DTensor parameter was assigned through ``.data =`` since the last call (the values were lost).
+            DTensor parameter was assigned through ``.data =`` since the last call (the values were lost);
+            a trainable embedding has ``sparse=True`` (:func:`_refuse_sparse_gradients`).
     """
+    _refuse_sparse_gradients(model)
     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
         for fqn, t in named:
             if nn.parameter.is_lazy(t):
@@ -208,6 +210,22 @@ def _distribute_loaded_tensors(module: nn.Module, state_dict: dict, prefix: str,
         if isinstance(param, DTensor) and type(value) is torch.Tensor and value.shape == param.shape:
             source = value.detach().to(device=param.to_local().device, copy=True)
             state_dict[prefix + fqn] = _distribute(source, param.device_mesh, param.placements)
+
+
+def _refuse_sparse_gradients(model: nn.Module) -> None:
+    """``nn.Embedding(sparse=True)`` / ``nn.EmbeddingBag(sparse=True)`` give their weight a sparse
+    gradient for ``SparseAdam`` / sparse SGD. A compiled step computes it dense (DTensor has no sparse
+    placements), so a sparse optimizer would fail inside the trace with its own error and
+    ``p.grad.is_sparse`` would change; refused before anything is converted, naming the module.
+    """
+    for fqn, module in model.named_modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse and module.weight.requires_grad:
+            raise PlanError(
+                f"{type(module).__name__} {fqn or '(root)'} has sparse=True: its weight's gradient would be a "
+                f"sparse tensor, which spmd_expand does not produce (gradients are dense DTensors)\n"
+                f"  fix: construct it with sparse=False (the default) and a dense optimizer (AdamW instead of "
+                f"SparseAdam, which updates only the rows a batch reads)"
+            )
 
 
 # Models spmd.compile converted, whose forward refuses plain tensors outside a step (:func:`_refuse_eager_call`).

@@ -831,7 +831,6 @@ def trace_step(
     # make_fx keeps the stack traces of frames inside nn.Module.forward only; the step's own lines
     # (the loss, the optimizer call) are kept when its function is registered as an anchor.
     torch.fx.proxy._register_stack_trace_anchor(fn)
-    _refuse_sparse_gradients(model)
     global_state = GlobalState()  # before tracing changes grad mode or anything else
     fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
     shape_env = fake_mode.shape_env
@@ -1353,25 +1352,6 @@ def _optimizer_hint(optimizer: torch.optim.Optimizer, data_dependent: bool) -> s
             f"foreach=False (its single-tensor path); see the chained exception"
         )
     return "see the chained exception; the optimizer's step must run eagerly on one device first"
-
-
-def _refuse_sparse_gradients(model: nn.Module) -> None:
-    """``nn.Embedding(sparse=True)`` / ``nn.EmbeddingBag(sparse=True)`` give their weight a sparse
-    gradient for ``SparseAdam`` / sparse SGD. A traced step computes it dense (DTensor has no sparse
-    placements), so the sparse optimizer would fail inside the trace with its own error, and
-    ``p.grad.is_sparse`` would change; refused before tracing, naming the module.
-
-    Raises:
-        TraceError: a trainable embedding of ``model`` has ``sparse=True``.
-    """
-    for fqn, module in model.named_modules():
-        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse and module.weight.requires_grad:
-            raise TraceError(
-                f"{type(module).__name__} {fqn or '(root)'} has sparse=True: its weight's gradient would be a "
-                f"sparse tensor, which a compiled step does not produce (gradients are dense DTensors)\n"
-                f"  fix: construct it with sparse=False (the default) and a dense optimizer (AdamW instead of "
-                f"SparseAdam, which updates only the rows a batch reads)"
-            )
 
 
 def _refuse_writes_to_parameter_reads(gm: fx.GraphModule) -> None:

@@ -207,7 +207,8 @@ def test_embedding_max_norm_is_refused_not_lost(fake_mesh):
 
 def test_sparse_embedding_gradients_are_refused_naming_the_module(fake_mesh):
     """nn.Embedding(sparse=True) + SparseAdam: the traced gradient is dense, so SparseAdam would fail
-    inside the trace with its own error; the refusal names the module and the fix before tracing."""
+    inside the trace with its own error; the refusal names the module and the fix before the model is
+    converted (its parameters stay plain tensors)."""
 
     class Model(nn.Module):
         def __init__(self):
@@ -225,11 +226,13 @@ def test_sparse_embedding_gradients_are_refused_naming_the_module(fake_mesh):
 
     model = Model()
     optimizer = torch.optim.SparseAdam(list(model.parameters()), lr=1e-2)
-    with pytest.raises(spmd.TraceError) as info:
+    with pytest.raises(spmd.PlanError) as info:
         ddp(fake_mesh, step)(model, optimizer, torch.randint(0, 20, (4, 3)))
     msg = str(info.value)
     assert "Embedding emb has sparse=True" in msg and "sparse=False" in msg, msg
-    assert not optimizer.state
+    assert not optimizer.state and not isinstance(model.emb.weight, DTensor)
+    with pytest.raises(spmd.PlanError, match="Embedding emb has sparse=True"):
+        spmd.parallelize(model, fake_mesh, spmd.DDP())
 
 
 def test_returning_python_number_is_a_trace_error(fake_mesh):
