@@ -1341,10 +1341,11 @@ def _optimizer_hint(optimizer: torch.optim.Optimizer, data_dependent: bool) -> s
             if "capturable" in optimizer.defaults
             else ""
         )
+        others = ", ".join(n for n in ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "NAdam", "Rprop", "Adamax") if n != name)
         return (
             f"{name}'s default code path branches on the value of an optimizer state (e.g. its step count), "
             f"which one compiled graph cannot do for every step; {capturable}use an optimizer whose default "
-            f"path has no such branch (SGD, Adam, AdamW, Adagrad, RMSprop, NAdam, Rprop, Adamax with foreach=False)"
+            f"path has no such branch ({others} with foreach=False)"
         )
     if any(g.get("foreach") is not False for g in groups):
         return (

@@ -181,6 +181,28 @@ def test_untraceable_optimizer_path_names_the_optimizer_and_the_fix(fake_mesh, m
         assert "Adafactor" not in msg
 
 
+def test_a_data_dependent_optimizer_path_is_not_offered_as_its_own_fix(fake_mesh):
+    """Rprop's single-tensor path writes through a boolean mask, which a 0-d parameter (a learnable
+    temperature) turns into a data-dependent op: the fix lists other optimizers, not Rprop itself."""
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 4)
+            self.scale = nn.Parameter(torch.tensor(1.5))
+
+        def forward(self, x):
+            return self.fc(x) * self.scale
+
+    model = Scaled()
+    optimizer = torch.optim.Rprop(model.parameters(), lr=1e-2, foreach=False)
+    with pytest.raises(spmd.TraceError) as info:
+        ddp(fake_mesh)(model, optimizer, torch.randn(4, 16))
+    msg = str(info.value)
+    assert "Rprop.step()" in msg and "use an optimizer whose default path" in msg, msg
+    assert "NAdam, Adamax with foreach=False" in msg and "Rprop," not in msg.split("fix:")[-1], msg
+
+
 def test_embedding_max_norm_is_refused_not_lost(fake_mesh):
     """F.embedding renormalizes the value it is handed for the weight: the write would miss the parameter."""
 
