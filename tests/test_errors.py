@@ -203,26 +203,22 @@ def test_a_data_dependent_optimizer_path_is_not_offered_as_its_own_fix(fake_mesh
     assert "NAdam, Adamax with foreach=False" in msg and "Rprop," not in msg.split("fix:")[-1], msg
 
 
+class EmbeddingSum(nn.Module):
+    """``nn.Embedding(20, 8, **options)`` whose looked-up vectors are summed (a scalar loss)."""
+
+    def __init__(self, **options):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8, **options)
+
+    def forward(self, ids):
+        return self.emb(ids).sum()
+
+
 def test_embedding_max_norm_is_refused_not_lost(fake_mesh):
     """F.embedding renormalizes the value it is handed for the weight: the write would miss the parameter."""
-
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.Embedding(20, 8, max_norm=1.0)
-
-        def forward(self, ids):
-            return self.emb(ids).sum()
-
-    def step(model, optimizer, ids):
-        loss = model(ids)
-        loss.backward()
-        optimizer.step()
-        return loss
-
-    model = Model()
+    model = EmbeddingSum(max_norm=1.0)
     with pytest.raises(spmd.TraceError) as info:
-        ddp(fake_mesh, step)(model, sgd(model), torch.randint(0, 20, (4, 3)))
+        ddp(fake_mesh, _model_loss_step)(model, sgd(model), torch.randint(0, 20, (4, 3)))
     msg = str(info.value)
     assert "embedding_renorm_" in msg and "'emb.weight'" in msg and "torch.embedding_renorm_(emb.weight" in msg, msg
 
@@ -231,25 +227,10 @@ def test_sparse_embedding_gradients_are_refused_naming_the_module(fake_mesh):
     """nn.Embedding(sparse=True) + SparseAdam: the traced gradient is dense, so SparseAdam would fail
     inside the trace with its own error; the refusal names the module and the fix before the model is
     converted (its parameters stay plain tensors)."""
-
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.Embedding(20, 8, sparse=True)
-
-        def forward(self, ids):
-            return self.emb(ids).sum()
-
-    def step(model, optimizer, ids):
-        loss = model(ids)
-        loss.backward()
-        optimizer.step()
-        return loss
-
-    model = Model()
+    model = EmbeddingSum(sparse=True)
     optimizer = torch.optim.SparseAdam(list(model.parameters()), lr=1e-2)
     with pytest.raises(spmd.PlanError) as info:
-        ddp(fake_mesh, step)(model, optimizer, torch.randint(0, 20, (4, 3)))
+        ddp(fake_mesh, _model_loss_step)(model, optimizer, torch.randint(0, 20, (4, 3)))
     msg = str(info.value)
     assert "Embedding emb has sparse=True" in msg and "sparse=False" in msg, msg
     assert not optimizer.state and not isinstance(model.emb.weight, DTensor)
