@@ -427,10 +427,8 @@ class CompiledStep:
             optimizer.state[params[fqn]][key] = value
         for index, key, value in traced.group_writes:
             optimizer.param_groups[index][key] = value
-        if traced.mode_writes:
-            modules = dict(model.named_modules())
-            for fqn, training in traced.mode_writes:
-                modules[fqn].training = training
+        for fqn, training in traced.mode_writes:
+            model.get_submodule(fqn).training = training
         return pytree.tree_unflatten(_fill(returns, traced.return_is_tensor), traced.return_spec)
 
 

@@ -1488,9 +1488,8 @@ def _widen_scalar_states(by_role, states, real_params, fqns) -> list:
     } or {"step"}
     widened = []
     for role, t in by_role.items():
-        if role.kind != "state" or role.fqn not in fqns or t.dim() != 0 or t.dtype != torch.float32:
-            continue
-        if real_params[role.fqn].dim() > 0 or role.key in scalar_keys:
+        # Every 0-d key of a parameter that is not 0-d is in scalar_keys.
+        if role.kind == "state" and role.fqn in fqns and t.dim() == 0 and t.dtype == torch.float32 and role.key in scalar_keys:
             wide = t.to(torch.float64)
             states[id(real_params[role.fqn])][role.key] = wide
             widened.append((t, wide, role.fqn, role.key))
