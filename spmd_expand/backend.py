@@ -56,7 +56,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import ops
 from .state import REPLACED_PARAMETERS, broadcast_materialized_state, distribute_state
 from .boundaries import encode_placement, mark_boundaries
-from .errors import PlanError, SpmdError, TraceError
+from .errors import PlanError, SpmdError
 from .expand import RedistributeCache
 from .forms import EqualForms
 from .lower import LOWERINGS, lower as lower_graph

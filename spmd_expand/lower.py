@@ -301,7 +301,6 @@ def _lower(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], mode: str
         return gm
     if mode == "inductor":
         from torch._inductor import config as inductor_config
-        from torch._inductor.compile_fx import compile_fx
 
         patches: dict = {}
         if any(draws_random(n) for n in gm.graph.nodes):
