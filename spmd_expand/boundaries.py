@@ -26,9 +26,12 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import ops
-from .errors import PlanError, TraceError
+from .errors import PlanError, TraceError, node_error
 
-__all__ = ["BoundaryLayouts", "style_layouts", "mark_boundaries", "encode_placement", "TP_STYLES"]
+__all__ = [
+    "BoundaryLayouts", "style_layouts", "mark_boundaries", "encode_placement", "TP_STYLES", "mark_sequence_first",
+    "refuse_split_sequences",
+]
 
 
 def _tp_styles() -> tuple[type, ...]:
@@ -239,3 +242,96 @@ def mark_boundaries(model: nn.Module, layouts: Mapping[str, Sequence[tuple[int, 
     finally:
         for h in handles:
             h.remove()
+
+
+def _sequence_first_inputs(module: nn.Module) -> tuple[str, ...]:
+    """The forward arguments of ``module`` that hold the sequence on dim 0, or () when it has none:
+    ``nn.MultiheadAttention``'s query, key and value and the input of ``nn.RNN``/``LSTM``/``GRU``, when
+    built with ``batch_first=False`` (their default, and ``nn.Transformer*``'s)."""
+    if getattr(module, "batch_first", True):
+        return ()
+    if isinstance(module, nn.MultiheadAttention):
+        return ("query", "key", "value")
+    if isinstance(module, nn.RNNBase):
+        return ("input",)
+    return ()
+
+
+@contextlib.contextmanager
+def mark_sequence_first(model: nn.Module) -> Iterator[None]:
+    """While active, the sequence-first inputs of ``model``'s modules (:func:`_sequence_first_inputs`)
+    pass through ``spmd_expand::sequence_first`` markers (:func:`spmd_expand.ops.sequence_first`), so
+    that :func:`refuse_split_sequences` can see how the plan places them. A tensor passed as several of
+    them (self-attention's ``x, x, x``) is marked once and passed as the same object, as
+    ``multi_head_attention_forward`` tells self-attention apart by identity."""
+    handles = []
+    for fqn, module in model.named_modules():
+        names = _sequence_first_inputs(module)
+        if not names:
+            continue
+
+        def pre(module, args, kwargs, fqn=fqn, names=names):
+            marked: dict[int, torch.Tensor] = {}
+
+            def mark(value: Any) -> Any:
+                if not isinstance(value, torch.Tensor):
+                    return value  # e.g. a PackedSequence
+                if id(value) not in marked:
+                    marked[id(value)] = ops.sequence_first(value, fqn)
+                return marked[id(value)]
+
+            args = tuple(mark(a) if i < len(names) else a for i, a in enumerate(args))
+            kwargs = {k: mark(v) if k in names else v for k, v in kwargs.items()}
+            return args, kwargs
+
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def refuse_split_sequences(gm: Any, mesh: Any, data_parallel_dims: Sequence[int]) -> None:
+    """Refuse a data-parallel split of a sequence-first module's dim 0 (its sequence, not its batch).
+
+    torch's DDP never splits a tensor: each rank feeds its own samples, whatever their layout. Here the
+    plan's ``batch_dim`` (0 by default) says along which dim the ranks' batches join into the global
+    one. With sequence-first data (``(seq, batch, ...)``, as ``nn.LSTM``/``nn.Transformer`` take by
+    default) and ``batch_dim=0``, the global program would run each module on the ranks' sequences
+    joined end to end, a different computation from one device's over more samples. Such a model runs
+    only where that dim is not split by a data-parallel mesh dim.
+
+    Args:
+        gm: the global graph, after propagation (``node.meta["spmd"]``).
+        mesh: the plan's device mesh.
+        data_parallel_dims: the mesh dims of the plan's DDP/FSDP styles.
+
+    Raises:
+        PlanError: naming the module, its input's placements, the source line and the fix.
+    """
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not ops.SEQUENCE_FIRST:
+            continue
+        spec = node.meta["spmd"].inputs[0]
+        split = [
+            m for m in data_parallel_dims
+            if mesh.size(m) > 1 and isinstance(spec.placements[m], (Shard, _StridedShard))
+            and spec.placements[m].dim % max(len(spec.tensor_meta.shape), 1) == 0
+        ]
+        if not split:
+            continue
+        fqn = node.args[1]
+        names = mesh.mesh_dim_names
+        where = ", ".join(repr(names[m]) if names else f"mesh dim {m}" for m in split)
+        raise node_error(
+            PlanError,
+            node,
+            f"module {fqn!r} (batch_first=False) reads dim 0 of its input as the sequence, and the plan splits "
+            f"that dim across the data-parallel ranks ({where}): the ranks' local batches would be joined into "
+            f"longer sequences, not into more samples, unlike one device over the global batch",
+            placements=spec.placements,
+            fix="pass sequence-first batches with the plan's batch_dim=1 (e.g. spmd.DDP(batch_dim=1), when every "
+            "batch tensor of the step has its samples on dim 1), or pass batch-first tensors and transpose them "
+            "inside the step or the model (`x.transpose(0, 1)`), or build the module with batch_first=True",
+        )

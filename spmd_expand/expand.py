@@ -35,7 +35,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import rng
 from .dsymint import DSymInt, local_strides
-from .ops import GRADIENT, LAYOUT, UNSHARD
+from .ops import GRADIENT, LAYOUT, SEQUENCE_FIRST, UNSHARD
 from .rules import NCHW_SCALAR_ARGS, SIZE_ARG
 from .spec import NodeSharding, local_offset, local_shape, shards_dim
 
@@ -264,13 +264,14 @@ class RedistributeCache:
 
     def get(self, src: DTensorSpec, dst: DTensorSpec, mask_shape: Optional[list[int]] = None) -> fx.GraphModule:
         meta = src.tensor_meta
-        key = (src.placements, dst.placements, tuple(meta.shape), meta.dtype, src.mesh, tuple(mask_shape or ()))
+        key = (src.placements, dst.placements, tuple(meta.shape), meta.stride, meta.dtype, src.mesh, tuple(mask_shape or ()))
         gm = self._graphs.get(key)
         if gm is None:
             shape = local_shape(src)  # outside fake mode: DTensor computes offsets with real tensors
             with FakeTensorMode():
-                example = torch.empty(shape, dtype=meta.dtype)
-                mask = torch.empty(mask_shape, dtype=torch.bool) if mask_shape is not None else None
+                examples = [torch.empty(shape, dtype=meta.dtype)]
+                if mask_shape is not None:
+                    examples.append(torch.empty(mask_shape, dtype=torch.bool))
             src, dst = _fresh_masks(src), _fresh_masks(dst)
             if _masks(src):
                 def fn(t, m):
@@ -278,26 +279,71 @@ class RedistributeCache:
                         p.mask_buffer.materialize_mask(m)
                     return redistribute_local_tensor(t, src, dst)
 
-                gm = make_fx(fn, tracing_mode="fake")(example, mask)
             elif _masks(dst):
                 def fn(t):
                     out = redistribute_local_tensor(t, src, dst)
                     return out, _masks(dst)[0].mask_buffer.data
 
-                gm = make_fx(fn, tracing_mode="fake")(example)
-            elif (strided := _strided_to_replicate(src, dst)) is not None:
-                gm = make_fx(strided, tracing_mode="fake")(example)
-            elif (rescale := _rescale_partial(src, dst)) is not None:
-                gm = make_fx(rescale, tracing_mode="fake")(example)
-            elif (uneven := _uneven_shard(src, dst)) is not None:
-                gm = make_fx(uneven, tracing_mode="fake")(example)
             else:
-                gm = make_fx(lambda t: redistribute_local_tensor(t, src, dst), tracing_mode="fake")(example)
+                fn = (
+                    _strided_to_replicate(src, dst) or _rescale_partial(src, dst) or _uneven_shard(src, dst)
+                    or (lambda t: redistribute_local_tensor(t, src, dst))
+                )
+            gm = make_fx(_keeping_memory_order(fn, meta), tracing_mode="fake")(*examples)
             # DTensor's local chunking (Replicate -> Shard) splits into W pieces and keeps one.
             gm.graph.eliminate_dead_code()
             gm.recompile()
             self._graphs[key] = gm
         return gm
+
+
+def _memory_order(shape: Sequence[int], stride: Sequence[int]) -> Optional[list[int]]:
+    """The dims of a dense global tensor from outermost to innermost in memory, when that is not
+    their logical order (a transpose made contiguous; in ``nn.MultiheadAttention`` the CPU
+    flash-attention output, laid out as [seq, batch, heads, head_dim] behind its [batch, heads, seq,
+    head_dim] shape). None for a
+    row-major or a non-dense tensor. Dims of size 1 have no place in memory: they keep theirs."""
+    sized = [d for d in range(len(shape)) if shape[d] > 1]
+    order = sorted(sized, key=lambda d: -stride[d])  # stable: equal strides only for size-1 dims
+    expected = 1
+    for d in reversed(order):
+        if stride[d] != expected:
+            return None
+        expected *= shape[d]
+    if order == sized:
+        return None
+    it = iter(order)
+    return [next(it) if shape[d] > 1 else d for d in range(len(shape))]
+
+
+def _keeping_memory_order(fn: Callable, meta: Any) -> Callable:
+    """``fn`` (a redistribution of a local tensor), with its result laid out in memory in the global
+    tensor's dim order.
+
+    The global graph was traced on the global tensor, and a ``view`` in it may rely on that layout
+    (``attn.permute(2, 0, 1, 3).view(S * B, E)`` in ``nn.MultiheadAttention`` merges dims that are
+    adjacent only in the flash-attention output's memory order). Locally the value may have another
+    layout (attention run on all-gathered, row-major inputs returns a row-major output), and DTensor's
+    redistributions return row-major tensors (``all_gather``'s output, a chunk of a row-major tensor
+    made contiguous), on which such a view fails: the result is copied into the global dim order
+    where it differs (one copy of the local tensor), and returned as is where it already has it. A result that is a tuple (a value and its
+    ``_MaskPartial`` mask) has its first element laid out.
+    """
+    order = _memory_order(meta.shape, meta.stride)
+    if order is None:
+        return fn
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+
+    def lay_out(t: torch.Tensor) -> torch.Tensor:
+        physical = t.permute(order)
+        return t if physical.is_contiguous() else physical.contiguous().permute(inverse)
+
+    @functools.wraps(fn)
+    def keeping_order(*args: torch.Tensor) -> Any:
+        out = fn(*args)
+        return (lay_out(out[0]), *out[1:]) if isinstance(out, tuple) else lay_out(out)
+
+    return keeping_order
 
 
 def _flatten_specs(spec: Any) -> list:
@@ -433,6 +479,9 @@ class _Expander:
             return
         if node.target is LAYOUT:
             self.local[node] = self.redistribute(node.args[0], sharding.inputs[0], consumer=node)
+            return
+        if node.target is SEQUENCE_FIRST:
+            self.local[node] = self.local[node.args[0]]
             return
         if sharding.random is not None:
             self.local[node] = self._random(node, sharding)

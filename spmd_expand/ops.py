@@ -4,6 +4,9 @@
 :func:`unshard`. ``spmd_expand::layout(t, mesh_dim, placement)`` asks for a placement at a module
 boundary (tensor parallel); see :func:`layout`.
 
+``spmd_expand::sequence_first(t, fqn)`` marks the input of a module that reads dim 0 as the sequence
+(``batch_first=False``); see :func:`sequence_first`.
+
 ``spmd_expand::gradient(grad, fqn)`` marks the gradient of parameter ``fqn`` as the optimizer reads it
 (after all micro-batches have accumulated into it). Propagation pins its output to the plan's gradient
 placement, so the reduction (all-reduce for DDP, reduce-scatter for FSDP) happens exactly there, once per
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gradient", "unshard", "layout", "GRADIENT", "UNSHARD", "LAYOUT"]
+__all__ = ["gradient", "unshard", "layout", "sequence_first", "GRADIENT", "UNSHARD", "LAYOUT", "SEQUENCE_FIRST"]
 
 
 @torch.library.custom_op("spmd_expand::gradient", mutates_args=())
@@ -86,3 +89,27 @@ def _layout_backward(ctx, grad: torch.Tensor):
 layout.register_autograd(_layout_backward, setup_context=_layout_setup_context)
 
 LAYOUT = torch.ops.spmd_expand.layout.default
+
+
+@torch.library.custom_op("spmd_expand::sequence_first", mutates_args=())
+def sequence_first(tensor: torch.Tensor, fqn: str) -> torch.Tensor:
+    """Identity on ``tensor``, the input of module ``fqn`` that reads its dim 0 as the sequence (an
+    ``nn.LSTM``/``GRU``/``RNN`` or ``nn.MultiheadAttention`` with ``batch_first=False``, as in
+    ``nn.Transformer*`` layers by default). After propagation, a data-parallel split of that dim is
+    refused (:func:`spmd_expand.boundaries.refuse_split_sequences`); expansion drops the marker.
+    Gradients pass through it unchanged."""
+    return tensor.clone()
+
+
+@sequence_first.register_fake
+def _(tensor: torch.Tensor, fqn: str) -> torch.Tensor:
+    return torch.empty_like(tensor)
+
+
+def _sequence_first_backward(ctx, grad: torch.Tensor):
+    return grad, None
+
+
+sequence_first.register_autograd(_sequence_first_backward)
+
+SEQUENCE_FIRST = torch.ops.spmd_expand.sequence_first.default

@@ -31,12 +31,13 @@ from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
 from .annotate import output_placements
 from .batch_norm import traceable_batch_norms
+from .boundaries import refuse_split_sequences
 from .errors import TraceError
 from .expand import RedistributeCache, expand
 from .graph_stats import annotate_local_values
 from .lower import lower as lower_graph
 from .passes.manager import PassContext, PassRecord, SpmdPass, copy_graph_module, run_passes
-from .plans import ResolvedPlan
+from .plans import ResolvedPlan, _DataParallel
 from .propagate import propagate
 from .rank_check import check_ranks_agree, collective_entries, graph_entries
 from .trace import TracedStep, trace_step
@@ -248,6 +249,9 @@ def expand_step(
             outs,
             grad_placements=grad_placements,
             compute_placements=lambda fqn: plan.compute_placements(fqn, params[fqn]),
+        )
+        refuse_split_sequences(
+            traced.graph_module, mesh, [m for m, style in enumerate(plan.styles) if isinstance(style, _DataParallel)]
         )
 
     with clock.stage("expand"):

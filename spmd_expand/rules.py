@@ -93,7 +93,7 @@ from . import rng
 from . import loss_parallel
 from .dsymint import DSymInt
 from .errors import UnsupportedOpError, node_error, user_source_line
-from .ops import GRADIENT, LAYOUT, UNSHARD
+from .ops import GRADIENT, LAYOUT, SEQUENCE_FIRST, UNSHARD
 from .spec import AS_PRODUCED, NodeSharding, replicate, spec_with_meta, tensor_spec
 
 __all__ = ["lookup", "SIZE_ARG", "NCHW_SCALAR_ARGS"]
@@ -206,6 +206,12 @@ def layout_rule(node: fx.Node, prop):
     placements[node.args[1]] = parse_placement(node.args[2], len(src.tensor_meta.shape))
     out = spec_with_meta(prop.mesh, placements, src.tensor_meta)
     return NodeSharding(inputs=(out, None, None), output=out)
+
+
+def sequence_first_rule(node: fx.Node, prop):
+    """The ``sequence_first`` marker: the identity, placement unchanged (checked after propagation)."""
+    spec = prop.output_of(node.args[0])
+    return NodeSharding(inputs=(spec, None), output=spec)
 
 
 def constant_rule(node: fx.Node, prop):
@@ -537,6 +543,7 @@ _RULES: dict[Any, Callable] = {
     GRADIENT: gradient_rule,
     UNSHARD: unshard_rule,
     LAYOUT: layout_rule,
+    SEQUENCE_FIRST: sequence_first_rule,
     aten._fused_adam.default: _fused_optimizer_rule(5),
     aten._fused_adamw.default: _fused_optimizer_rule(5),
     aten._fused_sgd.default: _fused_optimizer_rule(3),

@@ -48,7 +48,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from . import ops
-from .boundaries import mark_boundaries
+from .boundaries import mark_boundaries, mark_sequence_first
 from .python_values import (
     GlobalState,
     PythonGuards,
@@ -906,7 +906,7 @@ def trace_step(
             group_writes.clear()
             with stateless._reparametrize_module(model, held, tie_weights=True), _optimizer_on(
                 optimizer, swap, states, hyperparameters, hp_values, group_writes
-            ), mark_boundaries(model, module_layouts or {}), _cast_root_io(
+            ), mark_boundaries(model, module_layouts or {}), mark_sequence_first(model), _cast_root_io(
                 model, mixed_precision.policy if mixed_precision else None
             ), mode:
                 with record_reads(model, settings_objects) as reads:
@@ -1380,7 +1380,7 @@ def _refuse_writes_to_parameter_reads(gm: fx.GraphModule) -> None:
             fix = (
                 "nn.Embedding(max_norm=...) renormalizes inside F.embedding, on the value it is handed; renormalize "
                 "explicitly before the lookup, on the parameter itself: "
-                f"`with torch.no_grad(): torch.embedding_renorm_(emb.weight, ids, max_norm, norm_type)`, "
+                "`with torch.no_grad(): torch.embedding_renorm_(emb.weight, ids, max_norm, norm_type)`, "
                 "and build the nn.Embedding without max_norm"
                 if target is torch.ops.aten.embedding_renorm_.default
                 else "write to the parameter itself (e.g. `module.weight.mul_(...)` under torch.no_grad()), not to "

@@ -154,6 +154,45 @@ class _Transformer(nn.Module):
         return self.out(self.t(x, x[:, :3]).mean(1))
 
 
+class _SequenceFirst(nn.Module):
+    """Sequence-first modules (``batch_first=False``, torch's default for ``nn.LSTM`` and
+    ``nn.Transformer*``) fed batch-first data transposed in forward: the plan splits dim 0 of the
+    step's batch, dim 1 of the modules' inputs."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        if kind == "lstm":
+            self.body = nn.LSTM(16, 16, num_layers=2)
+        else:
+            self.body = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0), 2, enable_nested_tensor=False)
+        self.out = nn.Linear(16, CLASSES)
+
+    def forward(self, x):
+        h = self.body(x.transpose(0, 1))
+        return self.out((h[0] if isinstance(h, tuple) else h).mean(0))
+
+
+class _SequenceFirstLM(nn.Module):
+    """A language model on ``(seq, batch)`` tokens, as torch's word_language_model example batches
+    them: a sequence-first Transformer layer and LSTM, logits as ``(seq, vocab, batch)`` for
+    ``cross_entropy`` against ``(seq, batch)`` targets. Trained with the plan's ``batch_dim=1``."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(CLASSES, 16)
+        self.attn = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0)
+        self.rnn = nn.LSTM(16, 16)
+        self.out = nn.Linear(16, CLASSES)
+
+    def forward(self, tokens):
+        h, _ = self.rnn(self.attn(self.emb(tokens)))
+        return self.out(h).permute(0, 2, 1)
+
+
+def _tokens(g):
+    return torch.randint(0, CLASSES, (5, B), generator=g)
+
+
 class _Recurrent(nn.Module):
     def __init__(self, cell):
         super().__init__()
@@ -282,6 +321,9 @@ MODELS = {
     "gru": (lambda: _Recurrent(nn.GRU), lambda g: torch.randn(B, 5, 3, generator=g)),
     # Two layers, traced as torch's LSTM decomposition (its CPU oneDNN kernel has no rule).
     "lstm": (lambda: _Recurrent(lambda i, h, batch_first: nn.LSTM(i, h, num_layers=2, batch_first=batch_first)), lambda g: torch.randn(B, 5, 3, generator=g)),
+    "lstm_sequence_first": (lambda: _SequenceFirst("lstm"), _sequences),
+    "transformer_encoder_sequence_first": (lambda: _SequenceFirst("transformer"), _sequences),
+    "sequence_first_lm_batch_dim_1": (_SequenceFirstLM, _tokens),
     "weight_norm_spectral_norm": (_WeightNormConv, lambda g: torch.randn(B, 3, 16, generator=g)),
     "embedding_scale_grad_by_freq": (_Embedding, _bags),
     # Traced as the embedding and a per-bag reduction (ATen's fused kernel has no sharding rule).
@@ -291,6 +333,10 @@ MODELS = {
     # Traced as an einsum (ATen's _trilinear has no sharding rule); one input: Bilinear(x, x.flip(-1)).
     "bilinear": (lambda: _Pair(nn.Bilinear(6, 6, CLASSES)), lambda g: torch.randn(B, 6, generator=g)),
 }
+# Models whose batch tensors (inputs and targets) hold the samples on dim 1; default 0.
+BATCH_DIM = {"sequence_first_lm_batch_dim_1": 1}
+# Targets other than one class per sample.
+TARGETS = {"sequence_first_lm_batch_dim_1": _tokens}
 # name -> ((model, batch), the op named, what the fix says)
 REFUSED = {
     "embedding_bag_offsets": ((lambda: _EmbeddingBagOffsets(mode="sum"), _bags), "_embedding_bag", "2-D (bags, bag_size) input"),
@@ -322,10 +368,13 @@ def run_models(rank: int, world: int, plan: str, names: list[str]) -> dict:
             model = build()
             reference = copy.deepcopy(model)
             g = torch.Generator().manual_seed(1)
-            x, y = batch(g), torch.randint(0, CLASSES, (B,), generator=g)
-            compiled = spmd.compile(mesh=mesh, plan=spmd.FSDP() if plan == "fsdp" else spmd.DDP(), lower="eager")(step)
+            x = batch(g)
+            y = TARGETS[name](g) if name in TARGETS else torch.randint(0, CLASSES, (B,), generator=g)
+            dim = BATCH_DIM.get(name, 0)
+            style = spmd.FSDP(batch_dim=dim) if plan == "fsdp" else spmd.DDP(batch_dim=dim)
+            compiled = spmd.compile(mesh=mesh, plan=style, lower="eager")(step)
             ref_loss, ref_grads = step(reference, x, y)
-            loss, grads = compiled(model, x.chunk(world)[rank], y.chunk(world)[rank])
+            loss, grads = compiled(model, x.chunk(world, dim)[rank], y.chunk(world, dim)[rank])
             results[name] = {
                 "loss": loss.detach(), "ref_loss": ref_loss.detach(),
                 "grads": [_full(t) for t in grads], "ref_grads": [t.clone() for t in ref_grads],

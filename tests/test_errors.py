@@ -238,6 +238,47 @@ def test_sparse_embedding_gradients_are_refused_naming_the_module(fake_mesh):
         spmd.parallelize(model, fake_mesh, spmd.DDP())
 
 
+class SequenceFirstTagger(nn.Module):
+    """``body`` (batch_first=False) on ``(seq, batch, 16)`` inputs, every step classified into 4."""
+
+    def __init__(self, body):
+        super().__init__()
+        self.body, self.out = body, nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.out(h[0] if isinstance(h, tuple) else h)
+
+
+@pytest.mark.parametrize(
+    "body,module",
+    [
+        (lambda: nn.LSTM(16, 16), "'body'"),
+        (lambda: nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0), 1, enable_nested_tensor=False), "'body.layers.0.self_attn'"),
+    ],
+    ids=["lstm", "transformer_encoder"],
+)
+def test_a_data_parallel_split_of_a_sequence_first_input_is_refused(fake_mesh, body, module):
+    """Sequence-first data (``(seq, batch)``, torch's default layout for these modules) with the default
+    batch_dim=0 would join the ranks' sequences end to end: a different model input from one device's
+    batch. Refused before anything runs, naming the module and the fix. (Before: the LSTM ran so, with
+    only a warning about unbinding a split dim, and the Transformer's attention output failed a view in
+    the local graph.) The same models with the batch on dim 1: tests/module_zoo_cases.py."""
+    model = SequenceFirstTagger(body())
+    with pytest.raises(spmd.PlanError) as info:
+        ddp(fake_mesh, _tag)(model, sgd(model), torch.randn(6, 4, 16), torch.randint(0, 4, (6, 4)))
+    msg = str(info.value)
+    assert f"module {module} (batch_first=False)" in msg and "input placements: S(0)" in msg, msg
+    assert "batch_dim=1" in msg and "x.transpose(0, 1)" in msg and "batch_first=True" in msg, msg
+
+
+def _tag(model, optimizer, x, y):
+    loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
 def test_returning_python_number_is_a_trace_error(fake_mesh):
     def step(model, optimizer, x):
         loss = model(x).pow(2).mean()
