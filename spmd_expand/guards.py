@@ -281,7 +281,11 @@ def _uneven_rows_fix(t: torch.Tensor, plan: ResolvedPlan, mesh: DeviceMesh, dim:
             f"`t.tensor_split({pieces}, dim={dim})[{index}]`, or keep state carried across calls in a module "
             f"buffer updated in place)"
         )
-    return "(pass per-step constants such as class weights as module buffers: model.register_buffer(name, tensor))"
+    return (
+        "(pass per-step constants such as class weights as module buffers: model.register_buffer(name, tensor); "
+        "for sequence-first data (seq, batch, ...) beside per-sample targets, pass batch-first tensors and "
+        "transpose them inside the step, or make every batch tensor sequence-first and set the plan's batch_dim=1)"
+    )
 
 
 _SUBMESH_GROUPS: dict[tuple, Any] = {}

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import re
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -1291,6 +1292,17 @@ def _trace_failure_hint(kind: str, message: str, data_dependent: bool, library: 
             f"the output shape of {op} depends on the values of its tensor arguments (torch's fake tensors "
             f"cannot know it before running, as for F.ctc_loss), so it cannot be part of a traced graph; keep "
             f"that op out of the compiled step"
+        )
+    symbol = re.search(r"\bs\d+\b", message)
+    if symbol:
+        return (
+            f"a size of the global batch (a batch tensor's plan batch dim, traced as the symbol {symbol.group()}) "
+            f"met another tensor's fixed size: some argument of the step does not hold its samples on the plan's "
+            f"batch_dim (0 unless set), e.g. sequence-first data (seq, batch, ...) beside per-sample targets, or a "
+            f"tensor that is not part of the batch (class weights). Make batch_dim the samples' dim of every batch "
+            f"tensor (spmd.DDP(batch_dim=1) when inputs and targets are all sequence-first), or pass batch-first "
+            f"tensors and transpose them inside the step, and register other tensors on the model "
+            f"(`model.register_buffer(name, tensor)`)"
         )
     return "make sure the step runs eagerly on one device first; see the chained exception"
 

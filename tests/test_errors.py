@@ -272,6 +272,29 @@ def test_a_data_parallel_split_of_a_sequence_first_input_is_refused(fake_mesh, b
     assert "batch_dim=1" in msg and "x.transpose(0, 1)" in msg and "batch_first=True" in msg, msg
 
 
+def test_sequence_first_inputs_beside_per_sample_targets_name_the_batch_dim(fake_mesh):
+    """Sequence-first inputs with one target per sample, batch_dim=0: the targets' split dim is the
+    batch, the inputs' the sequence. The batch check or, where the sizes happen to agree,
+    cross_entropy's size check while tracing fails; both fixes name batch_dim and the transpose (the
+    trace's said "run it eagerly first", and the step runs eagerly)."""
+    model = SequenceFirstTagger(nn.LSTM(16, 16))
+
+    def classify(model, optimizer, x, y):
+        loss = nn.functional.cross_entropy(model(x)[-1], y)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    step = ddp(fake_mesh, classify)
+    with pytest.raises(spmd.BatchError) as info:  # 6 steps, 4 samples: the row counts differ on dim 0
+        step(model, sgd(model), torch.randn(6, 4, 16), torch.randint(0, 4, (4,)))
+    assert "sequence-first data" in str(info.value) and "batch_dim=1" in str(info.value), info.value
+    with pytest.raises(spmd.TraceError) as info:  # 4 steps, 4 samples: only the trace sees it
+        step(model, sgd(model), torch.randn(4, 4, 16), torch.randint(0, 4, (4,)))
+    msg = str(info.value)
+    assert "batch_size" in msg and "spmd.DDP(batch_dim=1)" in msg and "transpose" in msg, msg
+
+
 def _tag(model, optimizer, x, y):
     loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
     loss.backward()
