@@ -319,6 +319,16 @@ def split_rule(node: fx.Node, prop):
     return NodeSharding(inputs=(wanted,), output=pieces)
 
 
+def _warn_gathered_rows(node: fx.Node, what: str, dim: int) -> None:
+    warnings.warn(
+        f"spmd.compile: {user_source_line(node)} {what} dim {dim}, which the plan splits across ranks: it is "
+        f"gathered, and every rank computes what follows for every row; a batched computation (one op over "
+        f"the whole dim) keeps the rows split. If dim {dim} of the step's batch is not its samples' dim "
+        f"(sequence-first data, (seq, batch, ...)), set the plan's batch_dim to the samples' dim",
+        stacklevel=3,
+    )
+
+
 def unbind_rule(node: fx.Node, prop):
     """``unbind`` along a dim the input is split on (``for row in batch:`` iterates with it): DTensor
     refuses it, since the graph has one output per global row and a rank holds only some. The input
@@ -329,15 +339,21 @@ def unbind_rule(node: fx.Node, prop):
     split = [isinstance(p, Shard) and p.dim == dim for p in src.placements]
     if not any(split):
         return None
-    warnings.warn(
-        f"spmd.compile: {user_source_line(node)} unbinds (iterates over) dim {dim}, which the plan splits "
-        f"across ranks: it is gathered, and every rank computes what follows for every row; a batched "
-        f"computation (one op over the whole dim) keeps the rows split",
-        stacklevel=2,
-    )
+    _warn_gathered_rows(node, "unbinds (iterates over)", dim)
     gathered = [Replicate() if s else p for s, p in zip(split, src.placements)]
     wanted, output = prop._dtensor_place(node, prop.input_specs(node), {node.args[0]: spec_with_meta(prop.mesh, gathered, src.tensor_meta)})
     return NodeSharding(inputs=tuple(wanted), output=output)
+
+
+def select_rule(node: fx.Node, prop):
+    """``x[t]`` (``select``) along a dim the input is split on (``for t in range(x.size(0)): x[t]``, an
+    RNN written over sequence-first data): DTensor's rule gathers the input first, as for ``unbind``;
+    this adds the same warning. None: DTensor's rule places it."""
+    src = prop.output_of(node.args[0])
+    dim = node.args[1] % max(len(src.tensor_meta.shape), 1)
+    if any(isinstance(p, Shard) and p.dim == dim for p in src.placements):
+        _warn_gathered_rows(node, "selects one index of", dim)
+    return None
 
 
 def _mesh_size(prop, s: DSymInt) -> int:
@@ -558,6 +574,7 @@ _RULES: dict[Any, Callable] = {
 }
 _RULES.update({op: factory_rule for op in FACTORY_OPS})
 _RULES.update({aten.split.Tensor: split_rule, aten.split_with_sizes.default: split_rule, aten.unbind.int: unbind_rule})
+_RULES[aten.select.int] = select_rule
 _RULES.update(loss_parallel.RULES)
 _RULES[aten.cat.default] = cat_rule
 _RULES.update({aten._assert_async.default: assert_rule, aten._assert_async.msg: assert_rule})

@@ -295,6 +295,36 @@ def test_sequence_first_inputs_beside_per_sample_targets_name_the_batch_dim(fake
     assert "batch_size" in msg and "spmd.DDP(batch_dim=1)" in msg and "transpose" in msg, msg
 
 
+class StepLoopRNN(nn.Module):
+    """An RNN written as a Python loop over the steps of sequence-first input, indexing ``x[t]``
+    (``select``) or iterating ``x.unbind(0)``."""
+
+    def __init__(self, unbind: bool):
+        super().__init__()
+        self.unbind, self.w, self.u, self.out = unbind, nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h, outs = torch.zeros(x.size(1), 16), []
+        for x_t in x.unbind(0) if self.unbind else (x[t] for t in range(x.size(0))):
+            h = torch.tanh(self.w(x_t) + self.u(h))
+            outs.append(self.out(h))
+        return torch.stack(outs)
+
+
+@pytest.mark.parametrize("unbind", [False, True], ids=["select", "unbind"])
+def test_a_loop_over_a_split_dim_warns_and_names_batch_dim(fake_mesh, unbind):
+    """A loop over dim 0 of sequence-first data with batch_dim=0: each step's rows are gathered from
+    every rank (one device's values, no data-parallel speed-up, the ranks' sequences joined); the
+    warning names the line and, for data whose dim 0 is not the samples', batch_dim. ``x[t]`` had no
+    warning before (``unbind`` had, without the batch_dim hint)."""
+    model = StepLoopRNN(unbind)
+    with pytest.warns(UserWarning, match=r"x\.unbind\(0\)|x\[t\]") as record:
+        ddp(fake_mesh, _tag)(model, sgd(model), torch.randn(3, 4, 16), torch.randint(0, 4, (3, 4)))
+    messages = [str(w.message) for w in record if "which the plan splits across ranks" in str(w.message)]
+    assert messages and ("unbinds" if unbind else "selects one index of") in messages[0], messages
+    assert "set the plan's batch_dim" in messages[0], messages[0]
+
+
 def _tag(model, optimizer, x, y):
     loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
     loss.backward()
