@@ -55,7 +55,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import ops
 from .state import REPLACED_PARAMETERS, broadcast_materialized_state, distribute_state
-from .boundaries import encode_placement, mark_boundaries
+from .boundaries import encode_placement, mark_boundaries, mark_sequence_first
 from .errors import PlanError, SpmdError
 from .expand import RedistributeCache
 from .forms import EqualForms
@@ -148,6 +148,8 @@ def parallelize(
     # Tensor-parallel module boundaries: the styles' redistributions, as torch's own hooks do them.
     boundaries = contextlib.ExitStack()
     boundaries.enter_context(mark_boundaries(model, resolved.module_layouts()))
+    data_parallel_dims = [m for m, style in enumerate(resolved.styles) if isinstance(style, _DataParallel)]
+    boundaries.enter_context(mark_sequence_first(model, mesh, data_parallel_dims))
     _PARALLELIZED[model] = _Parallelized(mesh, plan, resolved, boundaries, timeout)
     return model
 

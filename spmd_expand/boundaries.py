@@ -257,13 +257,45 @@ def _sequence_first_inputs(module: nn.Module) -> tuple[str, ...]:
     return ()
 
 
+def _split_sequence_dims(placements: Sequence[Placement], ndim: int, mesh: Any, data_parallel_dims: Sequence[int]) -> list[int]:
+    """The data-parallel mesh dims (of size > 1) that split dim 0 of a value with ``placements``."""
+    return [
+        m for m in data_parallel_dims
+        if mesh.size(m) > 1 and isinstance(placements[m], (Shard, _StridedShard)) and placements[m].dim % max(ndim, 1) == 0
+    ]
+
+
+def _split_sequence_problem(fqn: str, mesh: Any, split: Sequence[int]) -> tuple[str, str]:
+    """(problem, fix) of a sequence-first module whose sequence dim the mesh dims ``split`` split."""
+    names = mesh.mesh_dim_names
+    where = ", ".join(repr(names[m]) if names else f"mesh dim {m}" for m in split)
+    problem = (
+        f"module {fqn!r} (batch_first=False) reads dim 0 of its input as the sequence, and the plan splits that "
+        f"dim across the data-parallel ranks ({where}): the ranks' local batches would be joined into longer "
+        f"sequences, not into more samples, unlike one device over the global batch"
+    )
+    fix = (
+        "pass sequence-first batches with the plan's batch_dim=1 (e.g. spmd.DDP(batch_dim=1), when every batch "
+        "tensor of the step has its samples on dim 1), or pass batch-first tensors and transpose them inside the "
+        "step or the model (`x.transpose(0, 1)`), or build the module with batch_first=True"
+    )
+    return problem, fix
+
+
 @contextlib.contextmanager
-def mark_sequence_first(model: nn.Module) -> Iterator[None]:
+def mark_sequence_first(model: nn.Module, mesh: Any = None, data_parallel_dims: Sequence[int] = ()) -> Iterator[None]:
     """While active, the sequence-first inputs of ``model``'s modules (:func:`_sequence_first_inputs`)
     pass through ``spmd_expand::sequence_first`` markers (:func:`spmd_expand.ops.sequence_first`), so
     that :func:`refuse_split_sequences` can see how the plan places them. A tensor passed as several of
     them (self-attention's ``x, x, x``) is marked once and passed as the same object, as
-    ``multi_head_attention_forward`` tells self-attention apart by identity."""
+    ``multi_head_attention_forward`` tells self-attention apart by identity.
+
+    A DTensor input (a model from ``spmd.parallelize``, traced by Dynamo) has its placements already:
+    it is checked here against ``mesh``'s ``data_parallel_dims`` instead of marked.
+
+    Raises (while the model runs):
+        PlanError: a DTensor input whose dim 0 a data-parallel mesh dim splits.
+    """
     handles = []
     for fqn, module in model.named_modules():
         names = _sequence_first_inputs(module)
@@ -274,6 +306,12 @@ def mark_sequence_first(model: nn.Module) -> Iterator[None]:
             marked: dict[int, torch.Tensor] = {}
 
             def mark(value: Any) -> Any:
+                if isinstance(value, DTensor):
+                    split = _split_sequence_dims(value.placements, value.ndim, mesh, data_parallel_dims) if mesh else []
+                    if split:
+                        problem, fix = _split_sequence_problem(fqn, mesh, split)
+                        raise PlanError(f"{problem}\n  input placements: {value.placements}\n  fix: {fix}")
+                    return value
                 if not isinstance(value, torch.Tensor):
                     return value  # e.g. a PackedSequence
                 if id(value) not in marked:
@@ -314,24 +352,7 @@ def refuse_split_sequences(gm: Any, mesh: Any, data_parallel_dims: Sequence[int]
         if node.op != "call_function" or node.target is not ops.SEQUENCE_FIRST:
             continue
         spec = node.meta["spmd"].inputs[0]
-        split = [
-            m for m in data_parallel_dims
-            if mesh.size(m) > 1 and isinstance(spec.placements[m], (Shard, _StridedShard))
-            and spec.placements[m].dim % max(len(spec.tensor_meta.shape), 1) == 0
-        ]
-        if not split:
-            continue
-        fqn = node.args[1]
-        names = mesh.mesh_dim_names
-        where = ", ".join(repr(names[m]) if names else f"mesh dim {m}" for m in split)
-        raise node_error(
-            PlanError,
-            node,
-            f"module {fqn!r} (batch_first=False) reads dim 0 of its input as the sequence, and the plan splits "
-            f"that dim across the data-parallel ranks ({where}): the ranks' local batches would be joined into "
-            f"longer sequences, not into more samples, unlike one device over the global batch",
-            placements=spec.placements,
-            fix="pass sequence-first batches with the plan's batch_dim=1 (e.g. spmd.DDP(batch_dim=1), when every "
-            "batch tensor of the step has its samples on dim 1), or pass batch-first tensors and transpose them "
-            "inside the step or the model (`x.transpose(0, 1)`), or build the module with batch_first=True",
-        )
+        split = _split_sequence_dims(spec.placements, len(spec.tensor_meta.shape), mesh, data_parallel_dims)
+        if split:
+            problem, fix = _split_sequence_problem(node.args[1], mesh, split)
+            raise node_error(PlanError, node, problem, placements=spec.placements, fix=fix)

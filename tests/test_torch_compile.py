@@ -249,3 +249,20 @@ def test_gradient_of_eager_dtensor_code_is_reduced_per_plan():
         # Two backward calls, each summing 2 rows of value 1 (rank 0) and 2 (rank 1): 2 * (2 + 4).
         torch.testing.assert_close(r["grad"], torch.full((1, 4), 12.0))
         assert len(r["warnings"]) == 1
+
+
+def test_a_data_parallel_split_of_a_sequence_first_input_is_refused(fake_mesh):
+    """As under spmd.compile (tests/test_errors.py): sequence-first data into a batch_first=False
+    Transformer layer with batch_dim=0 is refused while Dynamo traces, naming the module."""
+    torch.manual_seed(0)
+    plan = spmd.DDP()
+    model = spmd.parallelize(nn.Sequential(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0), nn.Linear(16, 4)), fake_mesh, plan)
+    compiled = torch.compile(model, backend="spmd", options={"mesh": fake_mesh, "plan": plan, "lower": "eager"})
+    try:
+        with pytest.raises(spmd.PlanError, match=r"module '0.self_attn' \(batch_first=False\) reads dim 0") as info:
+            compiled(torch.randn(6, 4, 16))
+        assert "batch_dim=1" in str(info.value) and "input placements: (Shard(dim=0),)" in str(info.value)
+    finally:
+        # A compilation that raised leaves Dynamo state behind that broke a later model with another
+        # batch_dim in this process (torch 2.13: a DTensorSpec shard_order error); start clean.
+        torch._dynamo.reset()
