@@ -111,8 +111,10 @@ def parallelize(
     ``CollectiveError`` naming its node.
 
     Raises:
-        PlanError: ``plan`` does not fit ``model`` (from :func:`~spmd_expand.plans.resolve_plan`), or
-            gives an ``mp_policy`` (applied by ``spmd.compile`` only, for now).
+        PlanError: ``plan`` does not fit ``model`` (from :func:`~spmd_expand.plans.resolve_plan`),
+            gives an ``mp_policy`` (applied by ``spmd.compile`` only, for now), or the model has an
+            ``nn.RNN``/``LSTM``/``GRU`` while ``torch._dynamo.config.allow_rnn`` is off
+            (:func:`_refuse_recurrent_modules`); the model is unchanged.
         SpmdError: ``model`` is already parallelized for another mesh or plan, or ``timeout`` is not a
             positive number of seconds.
     """
@@ -124,6 +126,7 @@ def parallelize(
             raise SpmdError("spmd.parallelize: this model is already parallelized with another mesh or plan")
         return model
     resolved = resolve_plan(plan, mesh, model)
+    _refuse_recurrent_modules(model)
     if resolved.mixed_precision(model) is not None:
         raise PlanError(
             "spmd.parallelize: the plan's mp_policy is applied by spmd.compile (whole-step graph); the "
@@ -250,6 +253,31 @@ def _reduce_gradients_computed_eagerly(model: nn.Module, mesh: DeviceMesh, resol
             p.grad = grad.redistribute(mesh, wanted)
 
         param.register_post_accumulate_grad_hook(reduce)
+
+
+def _refuse_recurrent_modules(model: nn.Module) -> None:
+    """Refuse ``nn.RNN``/``LSTM``/``GRU`` modules while ``torch._dynamo.config.allow_rnn`` is off,
+    before anything is converted.
+
+    Without it Dynamo breaks the graph at them, so they run in eager DTensor, where oneDNN's fused RNN
+    kernel (``mkldnn_rnn_layer``) has no sharding rule and the zero initial state ``forward`` creates
+    is a plain tensor: the first call failed with DTensor's raw mixed-tensor error. With it Dynamo
+    captures them, as torch's decomposition, which DTensor places.
+
+    Raises:
+        PlanError: naming the module and the fix.
+    """
+    if torch._dynamo.config.allow_rnn:
+        return
+    for fqn, module in model.named_modules():
+        if isinstance(module, nn.RNNBase):
+            raise PlanError(
+                f"spmd.parallelize: {type(module).__name__} {fqn!r}: with torch._dynamo.config.allow_rnn off, "
+                f"Dynamo breaks the graph at recurrent modules and runs them in eager DTensor, which cannot run "
+                f"oneDNN's RNN kernel\n"
+                f"  fix: set torch._dynamo.config.allow_rnn = True before spmd.parallelize (Dynamo then captures "
+                f"the module as torch's decomposition), or compile the whole train step with spmd.compile"
+            )
 
 
 def _read_parameters_in_compute_placements(model: nn.Module, resolved: ResolvedPlan) -> None:

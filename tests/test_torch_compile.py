@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.exc import BackendCompilerFailed
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 import compile_cases
 import spmd_expand as spmd
@@ -266,3 +266,19 @@ def test_a_data_parallel_split_of_a_sequence_first_input_is_refused(fake_mesh):
         # A compilation that raised leaves Dynamo state behind that broke a later model with another
         # batch_dim in this process (torch 2.13: a DTensorSpec shard_order error); start clean.
         torch._dynamo.reset()
+
+
+def test_a_recurrent_module_without_allow_rnn_is_refused_before_conversion(fake_mesh):
+    """Without torch._dynamo.config.allow_rnn, Dynamo runs nn.LSTM eagerly on DTensors, whose raw
+    mixed-tensor error came at the first call; parallelize refuses it at once, naming the module and
+    the flag, and leaves the model as it was (with the flag: the "lstm" run of compile_cases)."""
+    model = nn.Sequential(nn.Embedding(20, 6), nn.LSTM(6, 8, batch_first=True))
+    allow_rnn = torch._dynamo.config.allow_rnn
+    torch._dynamo.config.allow_rnn = False
+    try:
+        with pytest.raises(spmd.PlanError, match=r"LSTM '1': with torch._dynamo.config.allow_rnn off") as info:
+            spmd.parallelize(model, fake_mesh, spmd.DDP())
+    finally:
+        torch._dynamo.config.allow_rnn = allow_rnn
+    assert "allow_rnn = True before spmd.parallelize" in str(info.value) and "spmd.compile" in str(info.value)
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
