@@ -1278,6 +1278,14 @@ def _trace_failure_hint(kind: str, message: str, data_dependent: bool, library: 
             "by default), a branch on tensor values; pass validate_args=False to the distribution, or call "
             "torch.distributions.Distribution.set_default_validate_args(False) once before the step"
         )
+    if ("torch/nn/modules/rnn.py" in library or "torch/nn/utils/rnn.py" in library) and (
+        data_dependent or "FakeTensor" in message
+    ):
+        return (
+            "a PackedSequence (pack_padded_sequence) keeps its per-step batch sizes in a tensor that the RNN reads "
+            "as Python ints, values a traced graph does not have; run the RNN on the padded batch and read each "
+            "sequence's last real step (`out[torch.arange(len(lengths)), lengths - 1]`), or mask the padded steps"
+        )
     if data_dependent and library:
         return (
             f"torch's code{library} reads a tensor's value (an argument check such as `if (var < 0).any(): "

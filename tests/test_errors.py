@@ -325,6 +325,36 @@ def test_a_loop_over_a_split_dim_warns_and_names_batch_dim(fake_mesh, unbind):
     assert "set the plan's batch_dim" in messages[0], messages[0]
 
 
+class PackedLSTM(nn.Module):
+    """An LSTM over a padded batch packed by its lengths (``pack_padded_sequence``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.out = nn.LSTM(8, 16, batch_first=True), nn.Linear(16, 4)
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        return self.out(self.rnn(packed)[1][0][-1])
+
+
+def test_a_packed_sequence_names_the_padded_alternative(fake_mesh):
+    """PackedSequence's batch sizes are a tensor the RNN reads as Python ints: the trace fails inside
+    nn.LSTM; the fix said "run it eagerly on one device first" (it does), now it names the cause and
+    the padded form."""
+    model = PackedLSTM()
+
+    def step(model, optimizer, x, lengths, y):
+        loss = nn.functional.cross_entropy(model(x, lengths), y)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    with pytest.raises(spmd.TraceError) as info:
+        ddp(fake_mesh, step)(model, sgd(model), torch.randn(4, 5, 8), torch.tensor([5, 3, 2, 4]), torch.randint(0, 4, (4,)))
+    msg = str(info.value)
+    assert "PackedSequence" in msg and "lengths - 1" in msg and "runs eagerly" not in msg, msg
+
+
 def _tag(model, optimizer, x, y):
     loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
     loss.backward()
