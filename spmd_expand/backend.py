@@ -151,8 +151,7 @@ def parallelize(
     # Tensor-parallel module boundaries: the styles' redistributions, as torch's own hooks do them.
     boundaries = contextlib.ExitStack()
     boundaries.enter_context(mark_boundaries(model, resolved.module_layouts()))
-    data_parallel_dims = [m for m, style in enumerate(resolved.styles) if isinstance(style, _DataParallel)]
-    boundaries.enter_context(mark_sequence_first(model, mesh, data_parallel_dims))
+    boundaries.enter_context(mark_sequence_first(model, mesh, resolved.data_parallel_dims))
     _PARALLELIZED[model] = _Parallelized(mesh, plan, resolved, boundaries, timeout)
     return model
 
@@ -610,9 +609,7 @@ class _GraphCompiler:
         self.global_passes = global_passes
         self.local_passes = local_passes
         self.lower = lower
-        self.dp_size = math.prod(
-            self.mesh.size(d) for d, style in enumerate(self.plan.styles) if isinstance(style, _DataParallel)
-        )
+        self.dp_size = math.prod(self.mesh.size(d) for d in self.plan.data_parallel_dims)
 
     # ------------------------------------------------------------------ reading the Dynamo graph
     def _slots(self) -> list[_Slot]:

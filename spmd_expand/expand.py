@@ -264,7 +264,8 @@ class RedistributeCache:
 
     def get(self, src: DTensorSpec, dst: DTensorSpec, mask_shape: Optional[list[int]] = None) -> fx.GraphModule:
         meta = src.tensor_meta
-        key = (src.placements, dst.placements, tuple(meta.shape), meta.stride, meta.dtype, src.mesh, tuple(mask_shape or ()))
+        order = _memory_order(meta.shape, meta.stride)
+        key = (src.placements, dst.placements, tuple(meta.shape), meta.dtype, order, src.mesh, tuple(mask_shape or ()))
         gm = self._graphs.get(key)
         if gm is None:
             shape = local_shape(src)  # outside fake mode: DTensor computes offsets with real tensors
@@ -289,7 +290,7 @@ class RedistributeCache:
                     _strided_to_replicate(src, dst) or _rescale_partial(src, dst) or _uneven_shard(src, dst)
                     or (lambda t: redistribute_local_tensor(t, src, dst))
                 )
-            gm = make_fx(_keeping_memory_order(fn, meta), tracing_mode="fake")(*examples)
+            gm = make_fx(_keeping_memory_order(fn, order), tracing_mode="fake")(*examples)
             # DTensor's local chunking (Replicate -> Shard) splits into W pieces and keeps one.
             gm.graph.eliminate_dead_code()
             gm.recompile()
@@ -297,7 +298,7 @@ class RedistributeCache:
         return gm
 
 
-def _memory_order(shape: Sequence[int], stride: Sequence[int]) -> Optional[list[int]]:
+def _memory_order(shape: Sequence[int], stride: Sequence[int]) -> Optional[tuple[int, ...]]:
     """The dims of a dense global tensor from outermost to innermost in memory, when that is not
     their logical order (a transpose made contiguous; in ``nn.MultiheadAttention`` the CPU
     flash-attention output, laid out as [seq, batch, heads, head_dim] behind its [batch, heads, seq,
@@ -313,12 +314,12 @@ def _memory_order(shape: Sequence[int], stride: Sequence[int]) -> Optional[list[
     if order == sized:
         return None
     it = iter(order)
-    return [next(it) if shape[d] > 1 else d for d in range(len(shape))]
+    return tuple(next(it) if shape[d] > 1 else d for d in range(len(shape)))
 
 
-def _keeping_memory_order(fn: Callable, meta: Any) -> Callable:
+def _keeping_memory_order(fn: Callable, order: Optional[tuple[int, ...]]) -> Callable:
     """``fn`` (a redistribution of a local tensor), with its result laid out in memory in the global
-    tensor's dim order.
+    tensor's dim order ``order`` (:func:`_memory_order`; None: ``fn`` itself).
 
     The global graph was traced on the global tensor, and a ``view`` in it may rely on that layout
     (``attn.permute(2, 0, 1, 3).view(S * B, E)`` in ``nn.MultiheadAttention`` merges dims that are
@@ -329,7 +330,6 @@ def _keeping_memory_order(fn: Callable, meta: Any) -> Callable:
     where it differs (one copy of the local tensor), and returned as is where it already has it. A result that is a tuple (a value and its
     ``_MaskPartial`` mask) has its first element laid out.
     """
-    order = _memory_order(meta.shape, meta.stride)
     if order is None:
         return fn
     inverse = sorted(range(len(order)), key=order.__getitem__)

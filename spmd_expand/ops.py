@@ -50,11 +50,12 @@ def _(param: torch.Tensor, fqn: str) -> torch.Tensor:
     return torch.empty_like(param)
 
 
-def _unshard_backward(ctx, grad: torch.Tensor):
+def _pass_gradient(ctx, grad: torch.Tensor):
+    """Backward of an identity marker over ``(tensor, fqn)``: the gradient unchanged."""
     return grad, None
 
 
-unshard.register_autograd(_unshard_backward)
+unshard.register_autograd(_pass_gradient)
 
 UNSHARD = torch.ops.spmd_expand.unshard.default
 
@@ -106,10 +107,6 @@ def _(tensor: torch.Tensor, fqn: str) -> torch.Tensor:
     return torch.empty_like(tensor)
 
 
-def _sequence_first_backward(ctx, grad: torch.Tensor):
-    return grad, None
-
-
-sequence_first.register_autograd(_sequence_first_backward)
+sequence_first.register_autograd(_pass_gradient)
 
 SEQUENCE_FIRST = torch.ops.spmd_expand.sequence_first.default

@@ -37,7 +37,7 @@ from .expand import RedistributeCache, expand
 from .graph_stats import annotate_local_values
 from .lower import lower as lower_graph
 from .passes.manager import PassContext, PassRecord, SpmdPass, copy_graph_module, run_passes
-from .plans import ResolvedPlan, _DataParallel
+from .plans import ResolvedPlan
 from .propagate import propagate
 from .rank_check import check_ranks_agree, collective_entries, graph_entries
 from .trace import TracedStep, trace_step
@@ -250,9 +250,7 @@ def expand_step(
             grad_placements=grad_placements,
             compute_placements=lambda fqn: plan.compute_placements(fqn, params[fqn]),
         )
-        refuse_split_sequences(
-            traced.graph_module, mesh, [m for m, style in enumerate(plan.styles) if isinstance(style, _DataParallel)]
-        )
+        refuse_split_sequences(traced.graph_module, mesh, plan.data_parallel_dims)
 
     with clock.stage("expand"):
         local = expand(traced.graph_module, redistribute_cache)

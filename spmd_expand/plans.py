@@ -468,6 +468,11 @@ class ResolvedPlan:
     mesh: DeviceMesh
     styles: tuple[ParallelStyle, ...]
 
+    @property
+    def data_parallel_dims(self) -> list[int]:
+        """The mesh dims of the plan's DDP/FSDP styles."""
+        return [m for m, s in enumerate(self.styles) if isinstance(s, _DataParallel)]
+
     def param_placements(self, fqn: str, param: torch.Tensor) -> tuple[Placement, ...]:
         return tuple(s.param_placement(fqn, param) for s in self.styles)
 
