@@ -45,10 +45,10 @@ def _find(leaves: Sequence[Any], kind: type, what: str, at_most_one: bool) -> Op
                 "one optimizer over all parameters when they step together; when they step at different "
                 "points (a GAN's discriminator and generator updates), one compiled step per optimizer, each "
                 "taking the model that holds every module and its own optimizer: d_step(gan, opt_d, real, z) "
-                "and g_step(gan, opt_g, z), with gan = nn.ModuleDict(G=G, D=D) (the steps share the model)"
+                "and g_step(gan, opt_g, z), with gan = nn.ModuleDict({'G': G, 'D': D}) (the steps share the model)"
             )
         else:
-            fix = "wrap several modules in one nn.Module (nn.ModuleDict(G=G, D=D)) and pass that"
+            fix = "wrap several modules in one nn.Module (nn.ModuleDict({'G': G, 'D': D})) and pass that"
         raise TraceError(
             f"spmd.compile needs exactly one nn.Module and at most one torch.optim.Optimizer among the step's "
             f"arguments; found {len(found)} {what}\n  fix: {fix}"

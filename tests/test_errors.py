@@ -119,6 +119,14 @@ def test_two_modules_rejected(fake_mesh):
     assert isinstance(info.value, spmd.TraceError)
     assert "exactly one nn.Module" in str(info.value)
     assert "found 2" in str(info.value)
+    _assert_suggested_module_dict_builds(str(info.value))
+
+
+def _assert_suggested_module_dict_builds(msg):
+    """The fix's ``nn.ModuleDict(...)`` is code a user pastes: it must run."""
+    suggested = re.search(r"nn\.ModuleDict\(\{[^}]*\}\)", msg).group(0)
+    built = eval(suggested, {"nn": torch.nn, "G": torch.nn.Linear(1, 1), "D": torch.nn.Linear(1, 1)})
+    assert set(built.keys()) == {"G", "D"}
 
 
 def test_two_optimizers_rejected(fake_mesh):
@@ -139,6 +147,7 @@ def test_two_optimizers_rejected(fake_mesh):
     assert "at most one torch.optim.Optimizer" in msg
     assert "found 2 optimizers" in msg
     assert "one compiled step per optimizer" in msg and "d_step(gan, opt_d, real, z)" in msg
+    _assert_suggested_module_dict_builds(msg)
 
 
 def test_no_module_rejected(fake_mesh):
