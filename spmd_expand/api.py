@@ -438,8 +438,9 @@ def _in_traced_layout(batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     A view such as the inputs and targets of a language model, ``data[:, :-1]`` and ``data[:, 1:]``,
     is copied into a contiguous tensor; a ``view`` the graph took of the contiguous traced tensor
     would fail on it (or an Inductor kernel would read it with the wrong strides). Contiguous tensors
-    are passed as they are."""
-    return [t if t.is_contiguous() else t.contiguous() for t in batch]
+    are passed as they are, and so are tensors of other layouts (sparse, nested: refused by the batch
+    check)."""
+    return [t if t.layout != torch.strided or t.is_nested or t.is_contiguous() else t.contiguous() for t in batch]
 
 
 def _fill(returns: Sequence[torch.Tensor], is_tensor: Sequence[bool]) -> list:

@@ -56,8 +56,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import ops
 from .state import REPLACED_PARAMETERS, broadcast_materialized_state, distribute_state
 from .boundaries import encode_placement, mark_boundaries, mark_sequence_first
-from .errors import PlanError, SpmdError
+from .errors import BatchError, PlanError, SpmdError
 from .expand import RedistributeCache
+from .guards import not_dense_problem
 from .forms import EqualForms
 from .lower import LOWERINGS, lower as lower_graph
 from .passes import resolve_passes
@@ -198,6 +199,9 @@ def _wrap_forward(model: nn.Module, mesh: DeviceMesh, resolved: ResolvedPlan) ->
     class_forward = type(model).forward
 
     def to_dtensor(t: torch.Tensor) -> torch.Tensor:
+        not_dense = not_dense_problem(t)
+        if not_dense is not None:
+            raise BatchError(f"{type(model).__name__}.forward: a tensor argument {not_dense}")
         return t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, resolved.batch_placements(t), run_check=False)
 
     def to_local(t: DTensor) -> torch.Tensor:

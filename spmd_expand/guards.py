@@ -240,11 +240,35 @@ def snapshot(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Sn
     return Snapshot(objects, values)
 
 
+_LAYOUT_PROBLEM = "not dense: tensor argument"
+
+
+def not_dense_problem(t: torch.Tensor) -> Optional[str]:
+    """What keeps ``t`` from being placed (a sparse or nested tensor) and the fix; None for a dense tensor.
+
+    DTensor (torch 2.13) places ``torch.strided`` tensors only."""
+    if t.is_nested:
+        return (
+            f"is a nested tensor (layout {t.layout}): DTensor places dense tensors (torch.strided) only; pad the "
+            f"sequences to one length (`t.to_padded_tensor(0.0)`, with a mask where padding must not count)"
+        )
+    if t.layout != torch.strided:
+        return (
+            f"has layout {t.layout}: DTensor places dense tensors (torch.strided) only; store it dense "
+            f"(`t.to_dense()`: a sparse matmul such as `torch.sparse.mm(adj, x)` then runs as `adj @ x`)"
+        )
+    return None
+
+
 def _batch_problems(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: DeviceMesh) -> list[str]:
     """This rank's own problems with its batch tensors (no communication)."""
     problems = []
     sizes: dict[int, tuple[int, int]] = {}  # tensor dim -> (size, first argument with it)
     for i, t in enumerate(leaves):
+        not_dense = not_dense_problem(t)
+        if not_dense is not None:
+            problems.append(f"{_LAYOUT_PROBLEM} {i} {not_dense}")
+            continue
         for style in plan.styles:
             batch_dim = getattr(style, "batch_dim", None)
             if batch_dim is not None and 0 < t.dim() <= batch_dim:
@@ -327,7 +351,7 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: Device
             differ, a local batch is empty, a batch tensor lacks the batch dim, or tensors disagree on it.
     """
     problems = _batch_problems(leaves, plan, mesh)
-    shapes = [(tuple(t.shape), str(t.dtype)) for t in leaves]
+    shapes = [(("nested",) if t.is_nested else tuple(t.shape), str(t.dtype)) for t in leaves]
     # An object's default repr names its address, which differs between processes.
     constants = tuple(_ADDRESS.sub("", c) for c in constants)
     if dist.get_backend() == "fake":
@@ -373,12 +397,19 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: Device
     for rank, (rank_shapes, rank_problems, _) in zip(ranks, reports):
         shown = ", ".join(f"{tuple(s)} {d.replace('torch.', '')}" for s, d in rank_shapes)
         lines.append(f"  rank {rank}: {shown}" + "".join(f"\n    problem: {p}" for p in rank_problems))
+    only_layouts = all(r[0] == reports[0][0] for r in reports) and all(
+        p.startswith(_LAYOUT_PROBLEM) for r in reports for p in r[1]
+    )
     raise BatchError(
-        "the ranks' local batches do not form a global batch this plan can split evenly:\n"
+        ("the step's batch tensors cannot be placed:\n" if only_layouts else
+         "the ranks' local batches do not form a global batch this plan can split evenly:\n")
         + "\n".join(lines)
-        + "\n  fix: give every data-parallel rank the same number of rows (drop or pad the last, uneven "
-        "batch, e.g. DataLoader(drop_last=True) with a DistributedSampler), and tensor-parallel ranks "
-        "the same batch"
+        + (
+            "" if only_layouts else
+            "\n  fix: give every data-parallel rank the same number of rows (drop or pad the last, uneven "
+            "batch, e.g. DataLoader(drop_last=True) with a DistributedSampler), and tensor-parallel ranks "
+            "the same batch"
+        )
     )
 
 

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import PlanError, TraceError
-from .guards import mesh_group
+from .guards import mesh_group, not_dense_problem
 from .plans import ResolvedPlan
 from .rank_check import check_ranks_agree, state_entries
 from .spec import local_slice, replicate
@@ -139,7 +139,8 @@ def distribute_state(
     Raises:
         DivergenceError: before the first broadcast, when the ranks' models differ (names, shapes,
             dtypes, ``requires_grad``, placements; :mod:`spmd_expand.rank_check`).
-        PlanError: a parameter or buffer of a lazy module (``nn.LazyLinear``, ...) has no shape yet; a
+        PlanError: a parameter or buffer of a lazy module (``nn.LazyLinear``, ...) has no shape yet, or is
+            sparse or nested (not ``torch.strided``); a
             DTensor parameter was assigned through ``.data =`` since the last call (the values were lost);
             a trainable embedding has ``sparse=True`` (:func:`_refuse_sparse_gradients`).
     """
@@ -152,6 +153,9 @@ def distribute_state(
                     f"creates it on its first call), so it has no shape to place: run the model once on one batch "
                     f"before the first step (as torch's DDP and FSDP require), e.g. `with torch.no_grad(): model(x)`"
                 )
+            not_dense = not_dense_problem(t)
+            if not_dense is not None:
+                raise PlanError(f"{kind} {fqn!r} of {type(model).__name__} {not_dense}")
     if any(not isinstance(p, DTensor) for p in model.parameters()):
         check_ranks_agree(
             f"the parameters and buffers of {type(model).__name__}",

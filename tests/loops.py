@@ -865,6 +865,14 @@ def run_bad_batches(rank: int, world: int) -> dict:
         results["missing_batch_dim"] = "no error"
     except spmd.SpmdError as e:
         results["missing_batch_dim"] = f"{type(e).__name__}: {e}"
+    # A sparse batch tensor (a GCN's adjacency) on one rank only: refused on every rank, no hang.
+    step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(classification_step)
+    x, y = _batch(0, 4)
+    try:
+        step(model, torch.optim.SGD(model.parameters(), lr=0.1), x.to_sparse() if rank == 0 else x, y)
+        results["sparse_on_rank_0"] = "no error"
+    except spmd.SpmdError as e:
+        results["sparse_on_rank_0"] = f"{type(e).__name__}: {e}"
     # A Python argument is a constant of the one program: ranks passing different values are refused,
     # also when each value's graph is already compiled (no trace, so no graph comparison, would see it).
     step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(scaled_step)

@@ -247,6 +247,42 @@ def test_sparse_embedding_gradients_are_refused_naming_the_module(fake_mesh):
         spmd.parallelize(model, fake_mesh, spmd.DDP())
 
 
+@pytest.mark.parametrize(
+    "make, what",
+    [
+        (lambda x: x.to_sparse(), "has layout torch.sparse_coo"),
+        (lambda x: x.to_sparse_csr(), "has layout torch.sparse_csr"),
+        (lambda x: torch.nested.nested_tensor(list(x), layout=torch.jagged), "is a nested tensor (layout torch.jagged)"),
+    ],
+    ids=["sparse_coo", "sparse_csr", "nested_jagged"],
+)
+def test_a_batch_tensor_that_is_not_dense_is_refused(fake_mesh, make, what):
+    """A GCN's sparse adjacency or a nested batch: DTensor places dense tensors only. The batch check
+    names the argument and the fix (its raw errors came from ``contiguous()`` or ``shape`` before)."""
+    model = MLP()
+    with pytest.raises(spmd.BatchError) as info:
+        ddp(fake_mesh)(model, sgd(model), make(torch.randn(4, 16)), torch.randn(4, 16))
+    msg = str(info.value)
+    assert msg.startswith(f"not dense: tensor argument 0 {what}"), msg
+    assert ("`t.to_padded_tensor(0.0)`" if "nested" in what else "`t.to_dense()`") in msg
+
+
+def test_a_sparse_buffer_is_refused_naming_it(fake_mesh):
+    class Propagate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.register_buffer("adj", (torch.eye(4) + 0.5).to_sparse())
+
+        def forward(self, x):
+            return torch.sparse.mm(self.adj, self.fc(x))
+
+    model = Propagate()
+    with pytest.raises(spmd.PlanError, match=r"buffer 'adj' of Propagate has layout torch.sparse_coo.*`t.to_dense\(\)`"):
+        ddp(fake_mesh)(model, sgd(model), torch.randn(4, 4), torch.randn(4, 4))
+    assert not isinstance(model.fc.weight, DTensor)  # refused before the model was converted
+
+
 class SequenceFirstTagger(nn.Module):
     """``body`` (batch_first=False) on ``(seq, batch, 16)`` inputs, every step classified into 4."""
 

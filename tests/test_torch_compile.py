@@ -268,6 +268,19 @@ def test_a_data_parallel_split_of_a_sequence_first_input_is_refused(fake_mesh):
         torch._dynamo.reset()
 
 
+def test_a_sparse_argument_is_refused(fake_mesh):
+    """As under spmd.compile (tests/test_errors.py): DTensor.from_local of a sparse tensor failed in
+    a raw view error while Dynamo traced; the wrapped forward names the argument and the fix."""
+    plan = spmd.DDP()
+    model = spmd.parallelize(_mlp(), fake_mesh, plan)
+    compiled = torch.compile(model, backend="spmd", options={"mesh": fake_mesh, "plan": plan, "lower": "eager"})
+    try:
+        with pytest.raises(spmd.BatchError, match=r"forward: a tensor argument has layout torch.sparse_coo.*to_dense"):
+            compiled(torch.randn(4, 8).to_sparse())
+    finally:
+        torch._dynamo.reset()
+
+
 def test_a_recurrent_module_without_allow_rnn_is_refused_before_conversion(fake_mesh):
     """Without torch._dynamo.config.allow_rnn, Dynamo runs nn.LSTM eagerly on DTensors, whose raw
     mixed-tensor error came at the first call; parallelize refuses it at once, naming the module and

@@ -152,6 +152,9 @@ def test_refused_batches():
         assert "empty on batch dim 0" in res["empty_rank"], res["empty_rank"]
         assert "no batch dim 2" in res["missing_batch_dim"], res["missing_batch_dim"]
         assert res["different_constants"].startswith("BatchError: the ranks pass different non-tensor arguments"), res["different_constants"]
+        sparse = res["sparse_on_rank_0"]
+        assert sparse.startswith("BatchError: the step's batch tensors cannot be placed"), sparse
+        assert "problem: not dense: tensor argument 0 has layout torch.sparse_coo" in sparse and "`t.to_dense()`" in sparse
         assert "rank 0: 1.0\n  rank 1: 2.0" in res["different_constants"]
         assert torch.isfinite(res["after"])
     assert per_rank[0]["uneven_4_6"] == per_rank[1]["uneven_4_6"]  # every rank raises the same error
