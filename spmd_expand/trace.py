@@ -355,6 +355,20 @@ _METADATA_READS = frozenset(
 )
 
 
+# The same reads as ATen ops: a tensor subclass answers C++ metadata queries through them (autograd
+# asks a parameter handed straight to a custom ``autograd.Function`` for its device while it holds the
+# parameter's lock: marking that read would take the lock again, a deadlock).
+_METADATA_OPS = frozenset(
+    {
+        torch.ops.prim.device.default, torch.ops.prim.layout.default, torch.ops.prim.dtype.default,
+        aten.dim.default, aten.sym_size.default, aten.sym_size.int, aten.sym_stride.default, aten.sym_stride.int,
+        aten.sym_numel.default, aten.sym_storage_offset.default, aten.is_contiguous.default,
+        aten.is_contiguous.memory_format, aten.is_strides_like_format.default,
+        aten.is_non_overlapping_and_dense.default,
+    }
+)
+
+
 # ``self + value * t1 (/ or *) t2`` ops given their ``value`` as a tensor, which the optimizers'
 # traceable default path does (Adam's ``step_size`` under ``torch.compiler.is_compiling()``). Traced
 # as is, a fake tensor's data would be read as the Python number (single-tensor ``addcdiv_``), or the
@@ -552,7 +566,7 @@ class _StepMode(TorchFunctionMode):
             grad = func(*args, **kwargs)
             entry = self.params.get(id(args[0]))
             return self._read_grad(args[0], grad) if entry is not None and entry[1] is args[0] else grad
-        if self.in_backward or self.in_optimizer or name in _METADATA_READS:
+        if self.in_backward or self.in_optimizer or name in _METADATA_READS or func in _METADATA_OPS:
             return func(*args, **kwargs)
         keep_first = _mutates_first_arg(func)
         args = tuple(a if (i == 0 and keep_first) else self._substitute(a) for i, a in enumerate(args))

@@ -2,7 +2,8 @@
 
 Convolutions (1-D/2-D/3-D, transposed, padding modes), Group/Instance/Batch/Layer/RMS norm, pooling
 (max, average, adaptive), upsampling, PixelShuffle, MultiheadAttention, TransformerEncoder,
-Transformer, GRU, LSTM, embeddings (EmbeddingBag, frequency-scaled gradients), Bilinear, activations.
+Transformer, GRU, LSTM, embeddings (EmbeddingBag, frequency-scaled gradients), Bilinear, activations,
+custom autograd.Functions.
 A form with no sharding rule (EmbeddingBag's 1-D input with offsets) must be refused with
 UnsupportedOpError, never run wrong.
 """
@@ -301,6 +302,61 @@ def _sequences(g):
     return torch.randn(B, 5, 16, generator=g)
 
 
+class _GradientReversal(torch.autograd.Function):
+    """Domain-adversarial training's layer (Ganin & Lempitsky 2015): identity forward, -alpha * grad back."""
+
+    @staticmethod
+    def forward(ctx, x, alpha):
+        ctx.alpha = alpha
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -ctx.alpha * grad, None
+
+
+class _StraightThroughRound(torch.autograd.Function):
+    """Quantization-aware training's estimator: round forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _LinearFunction(torch.autograd.Function):
+    """torch's "Extending PyTorch" example: handed the parameter itself, saves it for backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return grad @ weight, grad.t() @ x
+
+
+class _CustomFunctions(nn.Module):
+    """Custom ``autograd.Function``s. A parameter handed straight to one made the trace deadlock (autograd
+    asks it for its device while holding its lock, and marking that read took the lock again)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 8)
+        self.weight = nn.Parameter(torch.randn(8, 8) * 0.3)
+        self.head = nn.Linear(8, CLASSES)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        h = h + _GradientReversal.apply(h, 0.5) + _StraightThroughRound.apply(3 * h) / 3
+        return self.head(_LinearFunction.apply(h, self.weight))
+
+
 # name -> (model, input)
 MODELS = {
     "conv2d_groupnorm_pools": (_conv2d, _images),
@@ -332,6 +388,7 @@ MODELS = {
     "embedding_bag_sum_weighted": (lambda: _EmbeddingBag(weighted=True, mode="sum"), _bags),
     # Traced as an einsum (ATen's _trilinear has no sharding rule); one input: Bilinear(x, x.flip(-1)).
     "bilinear": (lambda: _Pair(nn.Bilinear(6, 6, CLASSES)), lambda g: torch.randn(B, 6, generator=g)),
+    "custom_autograd_functions": (_CustomFunctions, lambda g: torch.randn(B, 6, generator=g)),
 }
 # Models whose batch tensors (inputs and targets) hold the samples on dim 1; default 0.
 BATCH_DIM = {"sequence_first_lm_batch_dim_1": 1}

@@ -14,7 +14,7 @@ from spmd_expand.forms import _embedding_bag_of_rows
 FSDP = [
     "conv2d_groupnorm_pools", "conv3d_pools", "token_pool_adaptive_avg_pool1d", "transformer_encoder",
     "weight_norm_spectral_norm", "lstm", "embedding_scale_grad_by_freq", "embedding_bag_mean_padding",
-    "sequence_first_lm_batch_dim_1",
+    "sequence_first_lm_batch_dim_1", "custom_autograd_functions",
 ]
 
 
