@@ -22,7 +22,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import hf_zoo  # noqa: E402
-from hf_zoo import IMAGE, LABELS, VOCAB, Arch, _DECODER, image_batch, image_step, masked_lm_batch, seq2seq_batch  # noqa: E402
+from hf_zoo import IMAGE, LABELS, VOCAB, Arch, _DECODER, audio_batch, audio_step, image_batch, image_step, masked_lm_batch, seq2seq_batch  # noqa: E402
 from spmd_expand.app.launch import run_local  # noqa: E402
 
 
@@ -79,6 +79,17 @@ SWEEP = {
     "beit": Arch(_config(transformers.BeitConfig, image_size=IMAGE, num_labels=LABELS, patch_size=4, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0, use_relative_position_bias=True), transformers.BeitForImageClassification, image_batch, image_step),
     "regnet": Arch(_plain_config(transformers.RegNetConfig, num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], groups_width=4, num_labels=LABELS), transformers.RegNetForImageClassification, image_batch, image_step, attention="none"),
     "segformer": Arch(_plain_config(transformers.SegformerConfig, num_channels=3, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16], patch_sizes=[3, 3], strides=[2, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2], num_labels=LABELS, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0, classifier_dropout_prob=0.0), transformers.SegformerForImageClassification, image_batch, image_step, attention="none"),
+    "fnet": Arch(_plain_config(transformers.FNetConfig, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0, use_tpu_fourier_optimizations=False), transformers.FNetForMaskedLM, masked_lm_batch, attention="none"),
+    "xlm_roberta": Arch(_config(transformers.XLMRobertaConfig, **{**_BERT_LIKE, "max_position_embeddings": 40}), transformers.XLMRobertaForMaskedLM, masked_lm_batch),
+    "squeezebert": Arch(_plain_config(transformers.SqueezeBertConfig, **_BERT_LIKE, embedding_size=32, q_groups=2, k_groups=2, v_groups=2, post_attention_groups=2, intermediate_groups=2, output_groups=2), transformers.SqueezeBertForMaskedLM, masked_lm_batch, attention="none"),
+    "convbert": Arch(_plain_config(transformers.ConvBertConfig, **_BERT_LIKE, embedding_size=32, head_ratio=2, conv_kernel_size=3), transformers.ConvBertForMaskedLM, masked_lm_batch, attention="none"),
+    "xlnet": Arch(_plain_config(transformers.XLNetConfig, vocab_size=VOCAB, d_model=32, n_layer=1, n_head=2, d_inner=64, dropout=0.0), transformers.XLNetLMHeadModel, attention="none"),
+    "ctrl": Arch(_plain_config(transformers.CTRLConfig, vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, dff=64, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0), transformers.CTRLLMHeadModel, attention="none"),
+    "marian": Arch(_config(transformers.MarianConfig, **_SEQ2SEQ, decoder_start_token_id=0, pad_token_id=0), transformers.MarianMTModel, seq2seq_batch),
+    "blenderbot": Arch(_config(transformers.BlenderbotSmallConfig, **_SEQ2SEQ, decoder_start_token_id=0, pad_token_id=0), transformers.BlenderbotSmallForConditionalGeneration, seq2seq_batch),
+    "mt5": Arch(_plain_config(transformers.MT5Config, vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2, dropout_rate=0.0, decoder_start_token_id=0), transformers.MT5ForConditionalGeneration, seq2seq_batch, attention="none"),
+    "poolformer": Arch(_plain_config(transformers.PoolFormerConfig, num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_encoder_blocks=2, patch_sizes=[3, 3], strides=[2, 2], padding=[1, 1], num_labels=LABELS, drop_path_rate=0.0), transformers.PoolFormerForImageClassification, image_batch, image_step, attention="none"),
+    "hubert": Arch(_plain_config(transformers.HubertConfig, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2, num_labels=LABELS, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, classifier_proj_size=16), transformers.HubertForSequenceClassification, audio_batch, audio_step, attention="none"),
 }
 # Causal LMs whose config carries a base-model TP plan.
 TP_MODELS = {
