@@ -58,8 +58,8 @@ from .state import REPLACED_PARAMETERS, broadcast_materialized_state, distribute
 from .boundaries import encode_placement, mark_boundaries, mark_sequence_first
 from .errors import BatchError, PlanError, SpmdError
 from .expand import RedistributeCache
-from .guards import not_dense_problem
 from .forms import EqualForms
+from .guards import not_dense_problem
 from .lower import LOWERINGS, lower as lower_graph
 from .passes import resolve_passes
 from .pipeline import JointArtifacts, expand_joint

@@ -348,7 +348,8 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: Device
 
     Raises:
         BatchError: on every rank at once, naming each rank's shapes, arguments or problem, when ranks
-            differ, a local batch is empty, a batch tensor lacks the batch dim, or tensors disagree on it.
+            differ, a local batch is empty, a batch tensor lacks the batch dim, or tensors disagree on it,
+            or a batch tensor is sparse or nested (:func:`not_dense_problem`; on one rank is enough).
     """
     problems = _batch_problems(leaves, plan, mesh)
     shapes = [(("nested",) if t.is_nested else tuple(t.shape), str(t.dtype)) for t in leaves]

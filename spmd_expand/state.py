@@ -139,10 +139,10 @@ def distribute_state(
     Raises:
         DivergenceError: before the first broadcast, when the ranks' models differ (names, shapes,
             dtypes, ``requires_grad``, placements; :mod:`spmd_expand.rank_check`).
-        PlanError: a parameter or buffer of a lazy module (``nn.LazyLinear``, ...) has no shape yet, or is
-            sparse or nested (not ``torch.strided``); a
-            DTensor parameter was assigned through ``.data =`` since the last call (the values were lost);
-            a trainable embedding has ``sparse=True`` (:func:`_refuse_sparse_gradients`).
+        PlanError: a parameter or buffer of a lazy module (``nn.LazyLinear``, ...) has no shape yet; a
+            parameter or buffer is sparse or nested (not ``torch.strided``); a DTensor parameter was
+            assigned through ``.data =`` since the last call (the values were lost); a trainable
+            embedding has ``sparse=True`` (:func:`_refuse_sparse_gradients`).
     """
     _refuse_sparse_gradients(model)
     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
