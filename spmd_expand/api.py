@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .errors import SpmdError, TraceError
 from .expand import RedistributeCache
-from .guards import ObjectIds, Snapshot, cache_key, check_batch, initialize_optimizer_state, snapshot
+from .guards import ObjectIds, Snapshot, cache_key, check_batch, initialize_optimizer_state, is_dense, snapshot
 from .lower import LOWERINGS
 from .passes import resolve_passes
 from .pipeline import Override, StepArtifacts, compile_step
@@ -440,7 +440,7 @@ def _in_traced_layout(batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     would fail on it (or an Inductor kernel would read it with the wrong strides). Contiguous tensors
     are passed as they are, and so are tensors of other layouts (sparse, nested: refused by the batch
     check)."""
-    return [t if t.layout != torch.strided or t.is_nested or t.is_contiguous() else t.contiguous() for t in batch]
+    return [t if not is_dense(t) or t.is_contiguous() else t.contiguous() for t in batch]
 
 
 def _fill(returns: Sequence[torch.Tensor], is_tensor: Sequence[bool]) -> list:

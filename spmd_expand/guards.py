@@ -243,21 +243,26 @@ def snapshot(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Sn
 _LAYOUT_PROBLEM = "not dense: tensor argument"
 
 
-def not_dense_problem(t: torch.Tensor) -> Optional[str]:
-    """What keeps ``t`` from being placed (a sparse or nested tensor) and the fix; None for a dense tensor.
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a dense tensor (``torch.strided``, not nested): the only kind DTensor (torch
+    2.13) places."""
+    return t.layout == torch.strided and not t.is_nested
 
-    DTensor (torch 2.13) places ``torch.strided`` tensors only."""
+
+def not_dense_problem(t: torch.Tensor) -> Optional[str]:
+    """What keeps ``t`` from being placed (a sparse or nested tensor, :func:`is_dense`) and the fix;
+    None for a dense tensor."""
+    if is_dense(t):
+        return None
     if t.is_nested:
         return (
             f"is a nested tensor (layout {t.layout}): DTensor places dense tensors (torch.strided) only; pad the "
             f"sequences to one length (`t.to_padded_tensor(0.0)`, with a mask where padding must not count)"
         )
-    if t.layout != torch.strided:
-        return (
-            f"has layout {t.layout}: DTensor places dense tensors (torch.strided) only; store it dense "
-            f"(`t.to_dense()`: a sparse matmul such as `torch.sparse.mm(adj, x)` then runs as `adj @ x`)"
-        )
-    return None
+    return (
+        f"has layout {t.layout}: DTensor places dense tensors (torch.strided) only; store it dense "
+        f"(`t.to_dense()`: a sparse matmul such as `torch.sparse.mm(adj, x)` then runs as `adj @ x`)"
+    )
 
 
 def _batch_problems(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: DeviceMesh) -> list[str]:
