@@ -274,9 +274,12 @@ class CompiledStep:
                 attempted = self._state_attempted.setdefault(optimizer, set())
                 if initialize_optimizer_state(model, optimizer, attempted):
                     self._distribute_state(model, optimizer)
+            hyperparameters = hyperparameters_of(optimizer)
+            values = [hp.read(optimizer) for hp in hyperparameters]
         else:
             self._resolved = self._binding.resolved
-        check_batch(batch_leaves, self._resolved, self.mesh, constants)
+            hyperparameters, values = self._binding.hyperparameters, bound[2]
+        check_batch(batch_leaves, self._resolved, self.mesh, constants, hyperparameters, values)
         # The step updates local shards in place; autograd must not track that.
         with torch.no_grad():
             if bound is not None:
@@ -284,7 +287,7 @@ class CompiledStep:
                 self.last = artifacts
                 result = self._write_back(artifacts.traced, artifacts.runner(*locals_, *values), model, optimizer)
             else:
-                result = self._run(args, kwargs, model, optimizer, leaves, batch_leaves, constants)
+                result = self._run(args, kwargs, model, optimizer, batch_leaves, constants, hyperparameters, values)
             for i in self.last.traced.mutated_batch_leaves:
                 if batch_leaves[i] is not given[i]:
                     given[i].copy_(batch_leaves[i])  # the step wrote the contiguous copy in place
@@ -336,11 +339,9 @@ class CompiledStep:
             hyperparameters=hyperparameters,
         )
 
-    def _run(self, args, kwargs, model, optimizer, leaves, batch_leaves, constants) -> Any:
+    def _run(self, args, kwargs, model, optimizer, batch_leaves, constants, hyperparameters, values) -> Any:
         taken = snapshot(model, optimizer)
         roles, specs, placements, locals_ = self._inputs(model, optimizer, batch_leaves)
-        hyperparameters = hyperparameters_of(optimizer)
-        values = [hp.read(optimizer) for hp in hyperparameters]
         key = cache_key(
             self._ids, model, optimizer, hyperparameters, tuple(zip(roles, specs, placements)), constants,
             self.requires_gradient_sync,

@@ -51,8 +51,10 @@ class PassError(SpmdError):
 
 class DivergenceError(SpmdError):
     """The ranks of a mesh do not run the same program (a model built differently, rank-dependent code
-    in the step), or a rank did not reach a cross-rank check in time. Raised on every rank before the
-    program's first collective (:mod:`spmd_expand.rank_check`), instead of a hang or a wrong result."""
+    in the step, optimizer hyperparameters that differ between ranks), or a rank did not reach a
+    cross-rank check in time. Raised on every rank before the program's first collective
+    (:mod:`spmd_expand.rank_check`; hyperparameters: :func:`spmd_expand.guards.check_batch`), instead
+    of a hang or a wrong result."""
 
 
 class CollectiveError(SpmdError):

@@ -38,6 +38,8 @@ refused (``BatchError``)                 local batches of different shapes on di
                                          (uneven or empty), a batch tensor without the plan's
                                          batch dim, batch tensors of different sizes along it,
                                          non-tensor arguments that differ between ranks
+refused (``DivergenceError``)            hyperparameter values that differ between ranks
+                                         (an LR scheduler stepped on rank 0 only)
 =======================================  ==================================================
 """
 
@@ -58,7 +60,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from .errors import BatchError, CollectiveError, first_line
+from .errors import BatchError, CollectiveError, DivergenceError, first_line
 from .plans import ResolvedPlan
 from .trace import HyperParameter
 from .watch import is_communication_failure
@@ -340,14 +342,24 @@ def mesh_group(mesh: DeviceMesh):
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
-def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: DeviceMesh, constants: Sequence[str] = ()) -> None:
-    """Check that every rank of ``mesh`` passes local batches of the same shapes and dtypes, and the
-    same non-tensor arguments (``constants``: their ``repr``).
+def check_batch(
+    leaves: Sequence[torch.Tensor],
+    plan: ResolvedPlan,
+    mesh: DeviceMesh,
+    constants: Sequence[str] = (),
+    hyperparameters: Sequence[HyperParameter] = (),
+    values: Sequence[float] = (),
+) -> None:
+    """Check that every rank of ``mesh`` passes local batches of the same shapes and dtypes, the
+    same non-tensor arguments (``constants``: their ``repr``) and the same optimizer hyperparameter
+    ``values`` (``hyperparameters``: what each value is).
 
     Data-parallel ranks must hold equal parts of the global batch (DTensor's even split is what the
     compiled graph assumes) and tensor-parallel ranks the same batch. A non-tensor argument is a value
     of the one global program: a rank passing another one (a count of its own batch's tokens) would
-    run a graph compiled for another value, with the same collectives, and nothing would notice.
+    run a graph compiled for another value, with the same collectives, and nothing would notice. So
+    is a hyperparameter (a graph input, not part of the graph): an LR scheduler stepped on one rank
+    only would update the same parameters with different learning rates on different ranks.
     Costs one all-gather of 4 int64 per call over the mesh's ranks (skipped on torch's fake process
     group, which has one real process).
 
@@ -355,6 +367,8 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: Device
         BatchError: on every rank at once, naming each rank's shapes, arguments or problem, when ranks
             differ, a local batch is empty, a batch tensor lacks the batch dim, or tensors disagree on it,
             or a batch tensor is sparse or nested (:func:`not_dense_problem`; on one rank is enough).
+        DivergenceError: on every rank at once, naming each rank's values, when the batches agree but
+            the hyperparameter values differ between ranks.
     """
     problems = _batch_problems(leaves, plan, mesh)
     shapes = [(("nested",) if t.is_nested else tuple(t.shape), str(t.dtype)) for t in leaves]
@@ -365,8 +379,14 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: Device
             raise BatchError("; ".join(problems))
         return
     group = mesh_group(mesh)
+    values = tuple(values)  # repr of a float round-trips: equal reprs, equal values
     digest = torch.tensor(
-        [zlib.crc32(repr(shapes).encode()), len(leaves), int(bool(problems)), zlib.crc32(repr(constants).encode())],
+        [
+            zlib.crc32(repr(shapes).encode()),
+            len(leaves),
+            int(bool(problems)),
+            zlib.crc32(repr((constants, values)).encode()),
+        ],
         dtype=torch.int64,
         device=mesh.device_type,
     )
@@ -387,9 +407,13 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: Device
         return
     # Something differs: every rank learns the details, and every rank raises the same error.
     reports: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(reports, (shapes, problems, constants), group=group)
+    dist.all_gather_object(reports, (shapes, problems, constants, values), group=group)
     ranks = dist.get_process_group_ranks(group)
-    if all(r[:2] == reports[0][:2] and not r[1] for r in reports):
+    batches_agree = all(r[:2] == reports[0][:2] and not r[1] for r in reports)
+    if batches_agree and all(r[2] == reports[0][2] for r in reports):
+        raise _different_hyperparameters(hyperparameters, ranks, [r[3] for r in reports])
+    reports = [r[:3] for r in reports]
+    if batches_agree:
         shown = "\n".join(f"  rank {rank}: {', '.join(c)}" for rank, (_, _, c) in zip(ranks, reports))
         raise BatchError(
             "the ranks pass different non-tensor arguments to the step:\n" + shown + "\n"
@@ -416,6 +440,26 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: Device
             "batch, e.g. DataLoader(drop_last=True) with a DistributedSampler), and tensor-parallel ranks "
             "the same batch"
         )
+    )
+
+
+def _different_hyperparameters(hyperparameters: Sequence[HyperParameter], ranks: Sequence[int], values: Sequence[tuple]) -> DivergenceError:
+    """The error for ranks whose optimizer hyperparameter ``values`` (one tuple per rank) differ."""
+    if len({len(v) for v in values}) == 1:
+        differ = [i for i in range(len(values[0])) if len({repr(v[i]) for v in values}) > 1]
+        shown = "\n".join(
+            f"  {hyperparameters[i]}: " + ", ".join(f"rank {rank} {v[i]!r}" for rank, v in zip(ranks, values))
+            for i in differ
+        )
+    else:
+        shown = "\n".join(f"  rank {rank}: {len(v)} hyperparameters {v}" for rank, v in zip(ranks, values))
+    return DivergenceError(
+        "the ranks' optimizers have different hyperparameters:\n" + shown + "\n"
+        "  every rank updates its part of the same parameters, so every rank must use the same values "
+        "(one device has one optimizer); the step did not run, nothing was updated\n"
+        "  fix: change hyperparameters on every rank, not under `if rank == 0:` (step the LR scheduler on "
+        "every rank), and feed ReduceLROnPlateau a metric the ranks agree on (all-reduce the validation "
+        "loss before `scheduler.step(loss)`)"
     )
 
 

@@ -887,6 +887,28 @@ def run_bad_batches(rank: int, world: int) -> dict:
         results["different_constants"] = f"{type(e).__name__}: {e}"
     # An argument whose repr names its address (different in each process) is the same value.
     step(model, optimizer, *x_y, 1.0, _Options())
+    # An LR scheduler stepped on rank 0 only (`if rank == 0:` around logging and scheduling, or
+    # ReduceLROnPlateau fed each rank's own metric): the ranks would update the same parameters with
+    # different learning rates, silently. Refused on every rank, and the parameters are untouched.
+    model = TwoLayer()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(classification_step)
+    step(model, optimizer, *x_y)
+    scheduler.step()
+    step(model, optimizer, *x_y)
+    if rank == 0:
+        scheduler.step()
+    before = [p.full_tensor().clone() for p in model.parameters()]
+    try:
+        step(model, optimizer, *x_y)
+        results["different_lr"] = "no error"
+    except spmd.SpmdError as e:
+        results["different_lr"] = f"{type(e).__name__}: {e}"
+    results["different_lr_untouched"] = all(torch.equal(b, p.full_tensor()) for b, p in zip(before, model.parameters()))
+    if rank == 1:
+        scheduler.step()  # the fix: every rank steps it
+    step(model, optimizer, *x_y)
     # After refusals, a good batch still trains (nothing was lost, no rank is stuck).
     x, y = _batch(1, 4)
     step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(classification_step)

@@ -156,6 +156,10 @@ def test_refused_batches():
         assert sparse.startswith("BatchError: the step's batch tensors cannot be placed"), sparse
         assert "problem: not dense: tensor argument 0 has layout torch.sparse_coo" in sparse and "`t.to_dense()`" in sparse
         assert "rank 0: 1.0\n  rank 1: 2.0" in res["different_constants"]
+        lr = res["different_lr"]
+        assert lr.startswith("DivergenceError: the ranks' optimizers have different hyperparameters"), lr
+        assert "param_groups[0]['lr']: rank 0 0.025, rank 1 0.05" in lr and "step the LR scheduler on every rank" in lr
+        assert res["different_lr_untouched"]
         assert torch.isfinite(res["after"])
     assert per_rank[0]["uneven_4_6"] == per_rank[1]["uneven_4_6"]  # every rank raises the same error
 
