@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .errors import SpmdError, TraceError
 from .expand import RedistributeCache
-from .guards import ObjectIds, Snapshot, cache_key, check_batch, initialize_optimizer_state, is_dense, snapshot
+from .guards import CallState, ObjectIds, Snapshot, batch_problems, cache_key, check_batch, initialize_optimizer_state, is_dense, snapshot
 from .lower import LOWERINGS
 from .passes import resolve_passes
 from .pipeline import Override, StepArtifacts, compile_step
@@ -94,6 +94,20 @@ class _Binding:
             out[index] = grad._local_tensor
         return out
 
+
+
+@dataclass
+class _Selection:
+    """A full-path call's graph inputs and cache entry, chosen before the batch check (which compares
+    the chosen graph across ranks) and used after it."""
+
+    snapshot: Snapshot
+    roles: list
+    specs: list
+    placements: list
+    locals_: list
+    compiled: list  # the cache entry: graphs compiled for this state
+    artifacts: Optional[StepArtifacts]  # the one whose guards hold; None: compile one
 
 
 class CompiledStep:
@@ -276,10 +290,15 @@ class CompiledStep:
                     self._distribute_state(model, optimizer)
             hyperparameters = hyperparameters_of(optimizer)
             values = [hp.read(optimizer) for hp in hyperparameters]
+            selection = self._select(model, optimizer, batch_leaves, constants, hyperparameters, values)
+            graph = selection.artifacts.graph_digest if selection and selection.artifacts else None
         else:
             self._resolved = self._binding.resolved
             hyperparameters, values = self._binding.hyperparameters, bound[2]
-        check_batch(batch_leaves, self._resolved, self.mesh, constants, hyperparameters, values)
+            graph = bound[0].graph_digest
+        check_batch(
+            batch_leaves, self._resolved, self.mesh, CallState(constants, hyperparameters, values, graph, model, optimizer)
+        )
         # The step updates local shards in place; autograd must not track that.
         with torch.no_grad():
             if bound is not None:
@@ -287,7 +306,7 @@ class CompiledStep:
                 self.last = artifacts
                 result = self._write_back(artifacts.traced, artifacts.runner(*locals_, *values), model, optimizer)
             else:
-                result = self._run(args, kwargs, model, optimizer, batch_leaves, constants, hyperparameters, values)
+                result = self._run(args, kwargs, model, optimizer, batch_leaves, constants, hyperparameters, values, selection)
             for i in self.last.traced.mutated_batch_leaves:
                 if batch_leaves[i] is not given[i]:
                     given[i].copy_(batch_leaves[i])  # the step wrote the contiguous copy in place
@@ -339,7 +358,11 @@ class CompiledStep:
             hyperparameters=hyperparameters,
         )
 
-    def _run(self, args, kwargs, model, optimizer, batch_leaves, constants, hyperparameters, values) -> Any:
+    def _select(self, model, optimizer, batch_leaves, constants, hyperparameters, values) -> Optional[_Selection]:
+        """The inputs and cache entry of a full-path call, and the compiled graph it runs (None: it
+        compiles one). None when this rank's batch has a problem (the batch check then raises)."""
+        if batch_problems(batch_leaves, self._resolved, self.mesh):
+            return None
         taken = snapshot(model, optimizer)
         roles, specs, placements, locals_ = self._inputs(model, optimizer, batch_leaves)
         key = cache_key(
@@ -351,9 +374,16 @@ class CompiledStep:
             (a for a in compiled if a.traced.guards.check(values) is None and a.traced.python_guards.check() is None),
             None,
         )
+        return _Selection(taken, roles, specs, placements, locals_, compiled, artifacts)
+
+    def _run(self, args, kwargs, model, optimizer, batch_leaves, constants, hyperparameters, values, selection: _Selection) -> Any:
+        """A full-path call: compile the selected state's graph if none holds (:meth:`_select`), bind
+        this call for the next ones, run."""
+        sel = selection
+        artifacts = sel.artifacts
         if artifacts is None:
-            if compiled:
-                last = compiled[-1].traced
+            if sel.compiled:
+                last = sel.compiled[-1].traced
                 failed = last.guards.check(values)
                 if failed is not None:
                     why = (
@@ -364,16 +394,19 @@ class CompiledStep:
                 else:
                     why = last.python_guards.check()
                 warnings.warn(
-                    f"spmd.compile: compiling {getattr(self.fn, '__name__', 'the step')} again ({len(compiled) + 1} "
+                    f"spmd.compile: compiling {getattr(self.fn, '__name__', 'the step')} again ({len(sel.compiled) + 1} "
                     f"graphs for this step): {why}",
                     stacklevel=3,
                 )
             self._note_batch_shapes(batch_leaves)
-            artifacts = self._compile(args, kwargs, model, optimizer, roles, specs, placements, locals_ + values)
-            compiled.append(artifacts)
+            artifacts = self._compile(args, kwargs, model, optimizer, sel.roles, sel.specs, sel.placements, sel.locals_ + values)
+            sel.compiled.append(artifacts)
         self.last = artifacts
-        self._bind(model, optimizer, taken, roles, placements, specs, locals_, batch_leaves, constants, hyperparameters, artifacts)
-        outputs = artifacts.runner(*locals_, *values)
+        self._bind(
+            model, optimizer, sel.snapshot, sel.roles, sel.placements, sel.specs, sel.locals_, batch_leaves, constants,
+            hyperparameters, artifacts,
+        )
+        outputs = artifacts.runner(*sel.locals_, *values)
         return self._write_back(artifacts.traced, outputs, model, optimizer)
 
     def _note_batch_shapes(self, batch_leaves: Sequence[torch.Tensor]) -> None:

@@ -39,7 +39,9 @@ refused (``BatchError``)                 local batches of different shapes on di
                                          batch dim, batch tensors of different sizes along it,
                                          non-tensor arguments that differ between ranks
 refused (``DivergenceError``)            hyperparameter values that differ between ranks
-                                         (an LR scheduler stepped on rank 0 only)
+                                         (an LR scheduler stepped on rank 0 only); ranks
+                                         about to run different compiled graphs (``eval()``
+                                         on rank 0 only)
 =======================================  ==================================================
 """
 
@@ -65,7 +67,7 @@ from .plans import ResolvedPlan
 from .trace import HyperParameter
 from .watch import is_communication_failure
 
-__all__ = ["ObjectIds", "Snapshot", "cache_key", "check_batch", "initialize_optimizer_state", "mesh_group", "snapshot"]
+__all__ = ["CallState", "ObjectIds", "Snapshot", "batch_problems", "cache_key", "check_batch", "initialize_optimizer_state", "mesh_group", "snapshot", "state_summary"]
 
 
 class ObjectIds:
@@ -267,7 +269,7 @@ def not_dense_problem(t: torch.Tensor) -> Optional[str]:
     )
 
 
-def _batch_problems(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: DeviceMesh) -> list[str]:
+def batch_problems(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: DeviceMesh) -> list[str]:
     """This rank's own problems with its batch tensors (no communication)."""
     problems = []
     sizes: dict[int, tuple[int, int]] = {}  # tensor dim -> (size, first argument with it)
@@ -342,50 +344,67 @@ def mesh_group(mesh: DeviceMesh):
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
-def check_batch(
-    leaves: Sequence[torch.Tensor],
-    plan: ResolvedPlan,
-    mesh: DeviceMesh,
-    constants: Sequence[str] = (),
-    hyperparameters: Sequence[HyperParameter] = (),
-    values: Sequence[float] = (),
-) -> None:
-    """Check that every rank of ``mesh`` passes local batches of the same shapes and dtypes, the
-    same non-tensor arguments (``constants``: their ``repr``) and the same optimizer hyperparameter
-    ``values`` (``hyperparameters``: what each value is).
+@dataclass
+class CallState:
+    """What every rank's call of a compiled step must agree on besides its batch (:func:`check_batch`).
+
+    Attributes:
+        constants: the ``repr`` of each non-tensor argument of the step.
+        hyperparameters: each float setting of the optimizer's param groups (graph inputs) ...
+        values: ... and its value in this call.
+        graph: the digest of the compiled graph this call runs
+            (:attr:`~spmd_expand.pipeline.StepArtifacts.graph_digest`); None when it compiles a new one.
+        model, optimizer: read only to explain a difference in ``graph`` (:func:`state_summary`).
+    """
+
+    constants: tuple = ()
+    hyperparameters: Sequence[HyperParameter] = ()
+    values: Sequence[float] = ()
+    graph: Optional[int] = None
+    model: Optional[nn.Module] = None
+    optimizer: Optional[torch.optim.Optimizer] = None
+
+
+def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: DeviceMesh, call: CallState = CallState()) -> None:
+    """Check that every rank of ``mesh`` passes local batches of the same shapes and dtypes, and that
+    the ranks agree on ``call``: the same non-tensor arguments, the same optimizer hyperparameter
+    values, and the same compiled graph.
 
     Data-parallel ranks must hold equal parts of the global batch (DTensor's even split is what the
     compiled graph assumes) and tensor-parallel ranks the same batch. A non-tensor argument is a value
     of the one global program: a rank passing another one (a count of its own batch's tokens) would
     run a graph compiled for another value, with the same collectives, and nothing would notice. So
     is a hyperparameter (a graph input, not part of the graph): an LR scheduler stepped on one rank
-    only would update the same parameters with different learning rates on different ranks.
-    Costs one all-gather of 4 int64 per call over the mesh's ranks (skipped on torch's fake process
-    group, which has one real process).
+    only would update the same parameters with different learning rates on different ranks. And two
+    graphs compiled earlier for two states (``train()`` and ``eval()``) may issue collectives that
+    match in count and kind: a rank left in ``eval()`` would run its graph against the others' without
+    any error, exchanging unrelated values. Costs one all-gather of 4 int64 per call over the mesh's
+    ranks (skipped on torch's fake process group, which has one real process).
 
     Raises:
         BatchError: on every rank at once, naming each rank's shapes, arguments or problem, when ranks
             differ, a local batch is empty, a batch tensor lacks the batch dim, or tensors disagree on it,
             or a batch tensor is sparse or nested (:func:`not_dense_problem`; on one rank is enough).
-        DivergenceError: on every rank at once, naming each rank's values, when the batches agree but
-            the hyperparameter values differ between ranks.
+        DivergenceError: on every rank at once, when the batches agree but the hyperparameter values
+            (naming each differing setting and its values) or the graphs differ (naming the model and
+            optimizer settings that differ: :func:`state_summary`).
     """
-    problems = _batch_problems(leaves, plan, mesh)
+    problems = batch_problems(leaves, plan, mesh)
     shapes = [(("nested",) if t.is_nested else tuple(t.shape), str(t.dtype)) for t in leaves]
     # An object's default repr names its address, which differs between processes.
-    constants = tuple(_ADDRESS.sub("", c) for c in constants)
+    constants = tuple(_ADDRESS.sub("", c) for c in call.constants)
     if dist.get_backend() == "fake":
         if problems:
             raise BatchError("; ".join(problems))
         return
     group = mesh_group(mesh)
-    values = tuple(values)  # repr of a float round-trips: equal reprs, equal values
+    values = tuple(call.values)  # repr of a float round-trips: equal reprs, equal values
     digest = torch.tensor(
         [
             zlib.crc32(repr(shapes).encode()),
             len(leaves),
             int(bool(problems)),
-            zlib.crc32(repr((constants, values)).encode()),
+            zlib.crc32(repr((constants, values, call.graph)).encode()),
         ],
         dtype=torch.int64,
         device=mesh.device_type,
@@ -406,12 +425,16 @@ def check_batch(
     if all(row == rows[0] for row in rows) and not rows[0][2]:
         return
     # Something differs: every rank learns the details, and every rank raises the same error.
+    rows_agree = all(row[:3] == rows[0][:3] for row in rows) and not rows[0][2]
+    summary = state_summary(call.model, call.optimizer) if rows_agree else None
     reports: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(reports, (shapes, problems, constants, values), group=group)
+    dist.all_gather_object(reports, (shapes, problems, constants, values, call.graph, summary), group=group)
     ranks = dist.get_process_group_ranks(group)
     batches_agree = all(r[:2] == reports[0][:2] and not r[1] for r in reports)
     if batches_agree and all(r[2] == reports[0][2] for r in reports):
-        raise _different_hyperparameters(hyperparameters, ranks, [r[3] for r in reports])
+        if any(repr(r[3]) != repr(reports[0][3]) for r in reports):
+            raise _different_hyperparameters(call.hyperparameters, ranks, [r[3] for r in reports])
+        raise _different_graphs(ranks, [r[4] for r in reports], [r[5] for r in reports])
     reports = [r[:3] for r in reports]
     if batches_agree:
         shown = "\n".join(f"  rank {rank}: {', '.join(c)}" for rank, (_, _, c) in zip(ranks, reports))
@@ -460,6 +483,70 @@ def _different_hyperparameters(hyperparameters: Sequence[HyperParameter], ranks:
         "  fix: change hyperparameters on every rank, not under `if rank == 0:` (step the LR scheduler on "
         "every rank), and feed ReduceLROnPlateau a metric the ranks agree on (all-reduce the validation "
         "loss before `scheduler.step(loss)`)"
+    )
+
+
+def state_summary(model: Optional[nn.Module], optimizer: Optional[torch.optim.Optimizer]) -> dict[str, str]:
+    """What selects a compiled graph for a model and optimizer, by name: every module's ``training``
+    flag, every parameter's ``requires_grad``, the hooks of each module and parameter (counts), each
+    param group's non-float settings. Rank-independent (no addresses); for error messages."""
+    out: dict[str, str] = {}
+    if model is not None:
+        for name, m in model.named_modules():
+            label = f"model.{name}" if name else "model"
+            out[f"{label}.training"] = repr(m.training)
+            counts = tuple(map(len, _MODULE_HOOKS(m)))
+            if any(counts):
+                out[f"{label} hooks (forward-pre, forward, backward-pre, backward)"] = repr(counts)
+        for name, p in model.named_parameters():
+            out[f"model.{name}.requires_grad"] = repr(p.requires_grad)
+            counts = tuple(map(len, filter(None, _TENSOR_HOOKS(p))))
+            if any(counts):
+                out[f"model.{name} gradient hooks"] = repr(counts)
+    if optimizer is not None:
+        for i, group in enumerate(optimizer.param_groups):
+            out[f"param_groups[{i}] size"] = repr(len(group["params"]))
+            for key, value in group.items():
+                if key != "params":
+                    out[f"param_groups[{i}][{key!r}]"] = repr(_setting_kind(value))
+    return out
+
+
+def _different_graphs(ranks: Sequence[int], graphs: Sequence[Optional[int]], summaries: Sequence[Optional[dict]]) -> DivergenceError:
+    """The error for ranks about to run different compiled graphs (``graphs``: each rank's digest, None
+    for a new compilation), naming the model and optimizer settings (:func:`state_summary`) that differ."""
+    names: dict[Optional[int], str] = {}
+    for g in graphs:
+        if g is not None and g not in names:
+            names[g] = f"graph {len(names) + 1} (compiled earlier)"
+    doing = "\n".join(
+        f"  rank {rank}: " + (names[g] if g is not None else "compiles a new graph (its state matches no compiled one)")
+        for rank, g in zip(ranks, graphs)
+    )
+    summaries = [s or {} for s in summaries]
+    keys = [k for k in summaries[0] if any(s.get(k) != summaries[0][k] for s in summaries)]
+    keys += sorted({k for s in summaries for k in s} - set(summaries[0]))
+    per_rank = {k: ", ".join(f"rank {rank} {s.get(k, 'absent')}" for rank, s in zip(ranks, summaries)) for k in keys}
+
+    def parent(key: str) -> str:  # model.a.b.training -> model.a.training
+        return key.rsplit(".", 2)[0] + ".training" if key.count(".") > 1 else ""
+
+    # A mode set on a module and all its children (model.eval()) is one line: the module's.
+    folded = [k for k in keys if not (k.endswith(".training") and per_rank.get(parent(k)) == per_rank[k])]
+    shown = "\n".join(
+        f"  {k}: {per_rank[k]}" + (" (and its submodules)" if any(parent(j) == k for j in set(keys) - set(folded)) else "")
+        for k in folded[:8]
+    ) + (f"\n  ... and {len(folded) - 8} more" if len(folded) > 8 else "")
+    return DivergenceError(
+        "the ranks would run different compiled graphs of the step:\n" + doing + "\n"
+        + ("  they differ in:\n" + shown + "\n" if folded else
+           "  the modules' train/eval modes, requires_grad, hooks and param-group settings agree: the difference "
+           "is in another value the graph depends on (a Python value the step reads, a global or closure "
+           "variable, torch's global state such as autocast)\n")
+        + "  an SPMD program is one program on every rank; the step did not run, nothing was updated\n"
+        "  fix: change the model and optimizer the same way on every rank (call model.train() / model.eval() "
+        "on every rank, not under `if rank == 0:`; evaluate on every rank, or restore the mode after a "
+        "rank-0-only evaluation)"
     )
 
 

@@ -19,6 +19,7 @@ the DTensor state and the write-back; it calls :func:`compile_step` once per dis
 from __future__ import annotations
 
 import time
+import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
@@ -80,6 +81,10 @@ class StepArtifacts:
             (None until lowered).
         seconds: wall seconds per stage (:data:`STAGES`).
         lowering: how ``runner`` was lowered (``"inductor"`` or ``"eager"``; see :func:`compile_step`).
+        graph_digest: a digest of the global graph and its inputs' placements (what the cross-rank
+            check compares), the same on every rank: each call compares it across ranks
+            (:func:`~spmd_expand.guards.check_batch`), so no rank runs another compiled graph than
+            its peers.
     """
 
     traced: TracedStep
@@ -90,6 +95,7 @@ class StepArtifacts:
     passes: list[PassRecord] = field(default_factory=list)
     example_inputs: list = field(default_factory=list, repr=False)
     lowering: str = ""
+    graph_digest: int = 0
 
 
 class _overrides:
@@ -236,6 +242,7 @@ def expand_step(
         entries, sources = graph_entries(traced.graph_module)
         entries += [f"input {role} {tuple(p)}" for role, p in zip(roles, placements)]
         check_ranks_agree("the global graph of the step", entries, sources + [""] * len(roles), mesh, timeout)
+        graph_digest = zlib.crc32("\n".join(entries).encode())
 
     with clock.stage("propagate"):
         if out_placements is None:
@@ -265,7 +272,7 @@ def expand_step(
         for override in module_override:
             local = override.transform(local)
 
-    return StepArtifacts(traced, local, None, clock.seconds, expanded, records, list(example_inputs))
+    return StepArtifacts(traced, local, None, clock.seconds, expanded, records, list(example_inputs), graph_digest=graph_digest)
 
 
 @dataclass

@@ -909,6 +909,24 @@ def run_bad_batches(rank: int, world: int) -> dict:
     if rank == 1:
         scheduler.step()  # the fix: every rank steps it
     step(model, optimizer, *x_y)
+    # A model left in eval() on rank 0 only (a rank-0-only evaluation that does not restore train()):
+    # rank 0 would compile the eval graph while rank 1 runs its train graph ("new"), or, once both
+    # graphs are compiled, each rank would run its own, whose collectives match ("cached"): silently
+    # wrong. Refused on every rank at once, naming the mode.
+    model = TwoLayer()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(classification_step)
+    step(model, optimizer, *x_y)
+    for name in ("eval_on_rank_0_new", "eval_on_rank_0_cached"):
+        model.train(rank != 0)
+        try:
+            step(model, optimizer, *x_y)
+            results[name] = "no error"
+        except spmd.SpmdError as e:
+            results[name] = f"{type(e).__name__}: {e}"
+        model.eval()
+        step(model, optimizer, *x_y)  # every rank in eval(): the eval graph, now compiled on both
+        model.train()
     # After refusals, a good batch still trains (nothing was lost, no rank is stuck).
     x, y = _batch(1, 4)
     step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(classification_step)

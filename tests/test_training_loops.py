@@ -160,6 +160,12 @@ def test_refused_batches():
         assert lr.startswith("DivergenceError: the ranks' optimizers have different hyperparameters"), lr
         assert "param_groups[0]['lr']: rank 0 0.025, rank 1 0.05" in lr and "step the LR scheduler on every rank" in lr
         assert res["different_lr_untouched"]
+        new, cached = res["eval_on_rank_0_new"], res["eval_on_rank_0_cached"]
+        assert new.startswith("DivergenceError: the ranks would run different compiled graphs"), new
+        assert "rank 0: compiles a new graph" in new and "rank 1: graph 1 (compiled earlier)" in new
+        assert "model.training: rank 0 False, rank 1 True (and its submodules)" in cached, cached
+        assert "rank 0: graph 1 (compiled earlier)\n  rank 1: graph 2 (compiled earlier)" in cached
+        assert "model.train() / model.eval() on every rank" in cached
         assert torch.isfinite(res["after"])
     assert per_rank[0]["uneven_4_6"] == per_rank[1]["uneven_4_6"]  # every rank raises the same error
 
