@@ -28,6 +28,7 @@ from .guards import CallState, ObjectIds, Snapshot, batch_problems, cache_key, c
 from .lower import LOWERINGS
 from .passes import resolve_passes
 from .pipeline import Override, StepArtifacts, compile_step
+from .rng import generator_state
 from .plans import Plan, ResolvedPlan, resolve_plan
 from .spec import AS_PRODUCED, replicate
 from .state import adopt_replaced_parameters, broadcast_materialized_state, check_optimizer_params, distribute_state, refuse_eager_calls, unwrapped
@@ -291,13 +292,17 @@ class CompiledStep:
             hyperparameters = hyperparameters_of(optimizer)
             values = [hp.read(optimizer) for hp in hyperparameters]
             selection = self._select(model, optimizer, batch_leaves, constants, hyperparameters, values)
-            graph = selection.artifacts.graph_digest if selection and selection.artifacts else None
+            selected = selection.artifacts if selection else None
         else:
             self._resolved = self._binding.resolved
             hyperparameters, values = self._binding.hyperparameters, bound[2]
-            graph = bound[0].graph_digest
+            selected = bound[0]
+        # A new compilation (selected None) compares the generators when it checks its graph.
+        generator = generator_state(self.mesh.device_type) if selected is not None and selected.draws_random else None
+        graph = selected.graph_digest if selected is not None else None
         check_batch(
-            batch_leaves, self._resolved, self.mesh, CallState(constants, hyperparameters, values, graph, model, optimizer)
+            batch_leaves, self._resolved, self.mesh,
+            CallState(constants, hyperparameters, values, graph, model, optimizer, generator),
         )
         # The step updates local shards in place; autograd must not track that.
         with torch.no_grad():

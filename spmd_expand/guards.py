@@ -41,7 +41,8 @@ refused (``BatchError``)                 local batches of different shapes on di
 refused (``DivergenceError``)            hyperparameter values that differ between ranks
                                          (an LR scheduler stepped on rank 0 only); ranks
                                          about to run different compiled graphs (``eval()``
-                                         on rank 0 only)
+                                         on rank 0 only); default generators in different
+                                         states when the step draws random numbers
 =======================================  ==================================================
 """
 
@@ -64,6 +65,7 @@ from torch.distributed.tensor import Shard
 
 from .errors import BatchError, CollectiveError, DivergenceError, first_line
 from .plans import ResolvedPlan
+from .rng import GENERATOR_FIX
 from .trace import HyperParameter
 from .watch import is_communication_failure
 
@@ -355,6 +357,8 @@ class CallState:
         graph: the digest of the compiled graph this call runs
             (:attr:`~spmd_expand.pipeline.StepArtifacts.graph_digest`); None when it compiles a new one.
         model, optimizer: read only to explain a difference in ``graph`` (:func:`state_summary`).
+        generator: the default generator's state (:func:`~spmd_expand.rng.generator_state`) when the
+            graph draws random numbers, else None.
     """
 
     constants: tuple = ()
@@ -363,6 +367,7 @@ class CallState:
     graph: Optional[int] = None
     model: Optional[nn.Module] = None
     optimizer: Optional[torch.optim.Optimizer] = None
+    generator: Optional[str] = None
 
 
 def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: DeviceMesh, call: CallState = CallState()) -> None:
@@ -404,7 +409,7 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: Device
             zlib.crc32(repr(shapes).encode()),
             len(leaves),
             int(bool(problems)),
-            zlib.crc32(repr((constants, values, call.graph)).encode()),
+            zlib.crc32(repr((constants, values, call.graph, call.generator)).encode()),
         ],
         dtype=torch.int64,
         device=mesh.device_type,
@@ -428,13 +433,23 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: Device
     rows_agree = all(row[:3] == rows[0][:3] for row in rows) and not rows[0][2]
     summary = state_summary(call.model, call.optimizer) if rows_agree else None
     reports: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(reports, (shapes, problems, constants, values, call.graph, summary), group=group)
+    dist.all_gather_object(reports, (shapes, problems, constants, values, call.graph, summary, call.generator), group=group)
     ranks = dist.get_process_group_ranks(group)
     batches_agree = all(r[:2] == reports[0][:2] and not r[1] for r in reports)
     if batches_agree and all(r[2] == reports[0][2] for r in reports):
         if any(repr(r[3]) != repr(reports[0][3]) for r in reports):
             raise _different_hyperparameters(call.hyperparameters, ranks, [r[3] for r in reports])
-        raise _different_graphs(ranks, [r[4] for r in reports], [r[5] for r in reports])
+        if any(r[4] != reports[0][4] for r in reports):
+            raise _different_graphs(ranks, [r[4] for r in reports], [r[5] for r in reports])
+        shown = "\n".join(f"  rank {rank}: {r[6]}" for rank, r in zip(ranks, reports))
+        raise DivergenceError(
+            "the ranks' random generators are in different states at the start of the step, which draws "
+            "random numbers (dropout, noise):\n" + shown + "\n"
+            "  each rank keeps its slice of one draw at the global size; from different states the slices "
+            "come from different draws, not from the one draw one device makes (and replicated random values "
+            "would differ between ranks); the step did not run, nothing was updated\n"
+            f"  fix: {GENERATOR_FIX}"
+        )
     reports = [r[:3] for r in reports]
     if batches_agree:
         shown = "\n".join(f"  rank {rank}: {', '.join(c)}" for rank, (_, _, c) in zip(ranks, reports))

@@ -41,6 +41,7 @@ from .passes.manager import PassContext, PassRecord, SpmdPass, copy_graph_module
 from .plans import ResolvedPlan
 from .propagate import propagate
 from .rank_check import check_ranks_agree, collective_entries, graph_entries
+from .rng import GENERATOR_FIX, draws_random, generator_state
 from .trace import TracedStep, trace_step
 
 __all__ = ["Override", "StepArtifacts", "JointArtifacts", "compile_step", "expand_step", "expand_joint", "split_forward_backward", "STAGES"]
@@ -85,6 +86,9 @@ class StepArtifacts:
             check compares), the same on every rank: each call compares it across ranks
             (:func:`~spmd_expand.guards.check_batch`), so no rank runs another compiled graph than
             its peers.
+        draws_random: whether the step draws random numbers (:func:`~spmd_expand.rng.draws_random`):
+            then the ranks' default generators must agree at the start of every call (checked when
+            compiled and on every call).
     """
 
     traced: TracedStep
@@ -96,6 +100,7 @@ class StepArtifacts:
     example_inputs: list = field(default_factory=list, repr=False)
     lowering: str = ""
     graph_digest: int = 0
+    draws_random: bool = False
 
 
 class _overrides:
@@ -243,6 +248,14 @@ def expand_step(
         entries += [f"input {role} {tuple(p)}" for role, p in zip(roles, placements)]
         check_ranks_agree("the global graph of the step", entries, sources + [""] * len(roles), mesh, timeout)
         graph_digest = zlib.crc32("\n".join(entries).encode())
+        # Each rank keeps its slice of a draw from its own default generator: the ranks' generators
+        # must be in the same state, or each slice comes from another draw (rng.py).
+        draws = any(draws_random(n) for n in traced.graph_module.graph.nodes)
+        if draws:
+            check_ranks_agree(
+                "the random generator state at the start of the step (it draws random numbers)",
+                [generator_state(mesh.device_type)], [""], mesh, timeout, fix=GENERATOR_FIX,
+            )
 
     with clock.stage("propagate"):
         if out_placements is None:
@@ -272,7 +285,9 @@ def expand_step(
         for override in module_override:
             local = override.transform(local)
 
-    return StepArtifacts(traced, local, None, clock.seconds, expanded, records, list(example_inputs), graph_digest=graph_digest)
+    return StepArtifacts(
+        traced, local, None, clock.seconds, expanded, records, list(example_inputs), graph_digest=graph_digest, draws_random=draws,
+    )
 
 
 @dataclass

@@ -10,7 +10,8 @@ the single device has at that point, and keeps the part its output placement nam
   tensor; tensor-parallel ranks agree on replicated values and hold slices of sharded ones);
 * generator: it advances on every rank exactly as on one device (same op, same global size, same
   order), so the next random op, the next step and the user's own draws after the step all see the
-  single-device state, on every rank. The user seeds every rank alike (``torch.manual_seed(s)``);
+  single-device state, on every rank. The user seeds every rank alike (``torch.manual_seed(s)``;
+  checked across ranks when the step is compiled and on every call, :func:`generator_state`);
 * cost: per random op, each rank generates ``W`` times its share of numbers and holds one global
   random tensor until its slice is copied out.
 
@@ -56,6 +57,7 @@ deterministic ops and keep DTensor's rules.
 from __future__ import annotations
 
 import operator
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -67,7 +69,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .spec import NodeSharding, local_offset, local_shape, replicate, spec_with_meta
 
-__all__ = ["RandomOp", "bound_args", "classify", "is_random", "draws_random", "emit_global_draw", "dropout_placements", "keep_shards"]
+__all__ = ["GENERATOR_FIX", "RandomOp", "bound_args", "classify", "is_random", "draws_random", "generator_state", "emit_global_draw", "dropout_placements", "keep_shards"]
 
 aten = torch.ops.aten
 
@@ -179,6 +181,27 @@ def classify(node: fx.Node) -> Optional[RandomOp]:
         size_arg = "size" if any(a.name == "size" for a in schema.arguments) else "n"
         return RandomOp("sizes", size_arg=size_arg)
     return RandomOp("values")
+
+
+GENERATOR_FIX = (
+    "seed every rank alike (torch.manual_seed(seed) on each rank, not seed + rank) and make the same "
+    "draws from torch's default generator on every rank between calls; draw rank-specific randomness "
+    "(data augmentation in the main process, a rank's own sampling) from a torch.Generator of its own"
+)
+"""What to do when ranks' default generators differ at the start of a step that draws random numbers."""
+
+
+def generator_state(device_type: str) -> str:
+    """The default generator of ``device_type`` (the one the step's random ops draw from), as a short
+    rank-comparable text: its initial seed (``torch.initial_seed()``) and a CRC-32 of its state.
+    About 3 us on CPU (mt19937: 5,056 bytes); no device synchronization on CUDA (Philox seed and
+    offset live on the host)."""
+    if device_type == "cpu":
+        state, seed = torch.get_rng_state(), torch.initial_seed()
+    else:
+        module = torch.get_device_module(device_type)
+        state, seed = module.get_rng_state(), module.initial_seed()
+    return f"seed {seed}, state crc32 {zlib.crc32(state.numpy())}"
 
 
 def keep_shards(placements, ref_shape, out_shape) -> tuple:

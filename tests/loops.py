@@ -927,6 +927,26 @@ def run_bad_batches(rank: int, world: int) -> dict:
         model.eval()
         step(model, optimizer, *x_y)  # every rank in eval(): the eval graph, now compiled on both
         model.train()
+    # Ranks whose random generators differ (seeded `seed + rank`, or an extra draw on one rank) would
+    # each keep their slice of a different dropout mask: not what one device draws. Refused when the
+    # graph is compiled ("seeded_by_rank": the check of the global graph) and on every later call
+    # ("extra_draw": the per-call check).
+    model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.5), nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(classification_step)
+    for name, rank_draws in (("seeded_by_rank", False), ("extra_draw", True)):
+        torch.manual_seed(0 if rank_draws else rank)
+        if rank_draws:
+            step(model, optimizer, *x_y)
+            if rank == 0:
+                torch.rand(3)
+        try:
+            step(model, optimizer, *x_y)
+            results[name] = "no error"
+        except spmd.SpmdError as e:
+            results[name] = f"{type(e).__name__}: {e}"
+    torch.manual_seed(0)  # the fix
+    step(model, optimizer, *x_y)
     # After refusals, a good batch still trains (nothing was lost, no rank is stuck).
     x, y = _batch(1, 4)
     step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(classification_step)

@@ -166,6 +166,12 @@ def test_refused_batches():
         assert "model.training: rank 0 False, rank 1 True (and its submodules)" in cached, cached
         assert "rank 0: graph 1 (compiled earlier)\n  rank 1: graph 2 (compiled earlier)" in cached
         assert "model.train() / model.eval() on every rank" in cached
+        seeded, drawn = res["seeded_by_rank"], res["extra_draw"]
+        assert seeded.startswith("DivergenceError: the ranks do not run the same program"), seeded
+        assert "in the random generator state at the start of the step" in seeded
+        assert "rank 0: seed 0, state" in seeded and "rank 1: seed 1, state" in seeded
+        assert drawn.startswith("DivergenceError: the ranks' random generators are in different states"), drawn
+        assert "not seed + rank" in seeded and "not seed + rank" in drawn
         assert torch.isfinite(res["after"])
     assert per_rank[0]["uneven_4_6"] == per_rank[1]["uneven_4_6"]  # every rank raises the same error
 
