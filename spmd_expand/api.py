@@ -302,7 +302,7 @@ class CompiledStep:
         graph = selected.graph_digest if selected is not None else None
         check_batch(
             batch_leaves, self._resolved, self.mesh,
-            CallState(constants, hyperparameters, values, graph, model, optimizer, generator),
+            CallState(constants, hyperparameters, values, graph, model, optimizer, generator, check_values=bound is None),
         )
         # The step updates local shards in place; autograd must not track that.
         with torch.no_grad():

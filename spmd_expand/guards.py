@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from .errors import BatchError, CollectiveError, DivergenceError, first_line
 from .plans import ResolvedPlan
@@ -359,6 +359,9 @@ class CallState:
         model, optimizer: read only to explain a difference in ``graph`` (:func:`state_summary`).
         generator: the default generator's state (:func:`~spmd_expand.rng.generator_state`) when the
             graph draws random numbers, else None.
+        check_values: compare the values of replicated batch tensors across the ranks that replicate
+            them (:func:`replicated_values`); set on the full path (a call that compiles or selects a
+            graph), where a device synchronization costs nothing that matters.
     """
 
     constants: tuple = ()
@@ -368,6 +371,7 @@ class CallState:
     model: Optional[nn.Module] = None
     optimizer: Optional[torch.optim.Optimizer] = None
     generator: Optional[str] = None
+    check_values: bool = False
 
 
 def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: DeviceMesh, call: CallState = CallState()) -> None:
@@ -410,27 +414,30 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: Device
             len(leaves),
             int(bool(problems)),
             zlib.crc32(repr((constants, values, call.graph, call.generator)).encode()),
+            int(call.check_values),
         ],
         dtype=torch.int64,
         device=mesh.device_type,
     )
-    gathered = torch.empty(dist.get_world_size(group) * 4, dtype=torch.int64, device=digest.device)
+    gathered = torch.empty(dist.get_world_size(group) * 5, dtype=torch.int64, device=digest.device)
     try:
         dist.all_gather_single(gathered, digest, group=group)
     except Exception as e:
         if not is_communication_failure(e):
             raise
         raise CollectiveError(
-            f"rank {dist.get_rank()}: the batch check before the step (an all_gather of 4 int64 over the mesh's "
+            f"rank {dist.get_rank()}: the batch check before the step (an all_gather of 5 int64 over the mesh's "
             f"ranks {dist.get_process_group_ranks(group)}) failed: {first_line(e)}. "
             f"Another rank failed or stopped calling the step (look for its error first), or did not call it "
             f"within the process group's timeout"
         ) from e
-    rows = gathered.view(-1, 4).tolist()
-    if all(row == rows[0] for row in rows) and not rows[0][2]:
+    rows = gathered.view(-1, 5).tolist()
+    if all(row[:4] == rows[0][:4] for row in rows) and not rows[0][2]:
+        if any(row[4] for row in rows):  # every rank sees it: all take part
+            _check_replicated_values(leaves, plan, mesh, group)
         return
     # Something differs: every rank learns the details, and every rank raises the same error.
-    rows_agree = all(row[:3] == rows[0][:3] for row in rows) and not rows[0][2]
+    rows_agree = all(row[:3] == rows[0][:3] for row in rows) and not rows[0][2]  # column 3 differs
     summary = state_summary(call.model, call.optimizer) if rows_agree else None
     reports: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(reports, (shapes, problems, constants, values, call.graph, summary, call.generator), group=group)
@@ -479,6 +486,66 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: Device
             "the same batch"
         )
     )
+
+
+_VALUE_SAMPLE = 1 << 16
+
+
+def replicated_values(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: DeviceMesh) -> list[tuple[int, tuple[int, ...], int]]:
+    """``(argument index, mesh dims that split it, CRC-32 of its values)`` for each batch tensor some
+    mesh dim of size > 1 replicates (a tensor-parallel dim; any dim, for a 0-d tensor): the ranks
+    that hold the same piece of it must hold the same values. Tensors of more than 65,536 elements
+    are sampled at evenly spaced elements (a different batch differs there too)."""
+    out = []
+    for i, t in enumerate(leaves):
+        placements = plan.batch_placements(t)
+        if not any(isinstance(p, Replicate) and mesh.size(d) > 1 for d, p in enumerate(placements)):
+            continue
+        flat = t.detach().reshape(-1)
+        if flat.numel() > _VALUE_SAMPLE:
+            flat = flat[:: -(-flat.numel() // _VALUE_SAMPLE)]
+        crc = zlib.crc32(flat.contiguous().view(torch.uint8).cpu().numpy())
+        out.append((i, tuple(d for d, p in enumerate(placements) if isinstance(p, Shard)), crc))
+    return out
+
+
+def _check_replicated_values(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: DeviceMesh, group) -> None:
+    """Raise :class:`BatchError` on every rank when ranks that replicate a batch tensor (the same
+    coordinates on the mesh dims that split it) pass different values (:func:`replicated_values`)."""
+    reports: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, replicated_values(leaves, plan, mesh), group=group)
+    ranks = dist.get_process_group_ranks(group)
+    grid = mesh.mesh
+    coords = {r: [int(c) for c in (grid == r).nonzero()[0]] for r in ranks}
+    lines = []
+    for k, (i, split, _) in enumerate(reports[0]):
+        by_piece: dict[tuple, dict[int, list[int]]] = {}
+        for rank, report in zip(ranks, reports):
+            piece = tuple(coords[rank][d] for d in split)
+            by_piece.setdefault(piece, {}).setdefault(report[k][2], []).append(rank)
+        for holders in by_piece.values():
+            if len(holders) > 1:
+                sides = " | ".join(("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs)) for rs in holders.values())
+                t = leaves[i]
+                lines.append(
+                    f"  argument {i} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}, replicated over mesh "
+                    f"dim(s) {[d for d in range(mesh.ndim) if d not in split and mesh.size(d) > 1]}: values differ "
+                    f"between {sides}"
+                )
+                break
+    if lines:
+        raise BatchError(
+            "ranks that hold the same replicated batch tensor pass different values:\n" + "\n".join(lines) + "\n"
+            "  a replicated tensor is one value of the program, the same on those ranks: tensor-parallel ranks "
+            "compute their parts of one step over the same batch (with different batches each rank's columns "
+            "come from other samples and the row-parallel all-reduce adds them up); a 0-d tensor argument is "
+            "one value on every rank\n"
+            "  fix: split the data over the data-parallel ranks only and give every rank of a tensor-parallel "
+            "group the same batch (DistributedSampler(dataset, num_replicas=mesh['dp'].size(), "
+            "rank=mesh['dp'].get_local_rank()) on a ('dp', 'tp') mesh, the same batch on every rank of a "
+            "tensor-parallel-only mesh); compute a rank-dependent scalar (a count of this rank's tokens) "
+            "inside the step, from the global batch"
+        )
 
 
 def _different_hyperparameters(hyperparameters: Sequence[HyperParameter], ranks: Sequence[int], values: Sequence[tuple]) -> DivergenceError:

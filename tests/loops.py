@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import spmd_expand as spmd
 from spmd_expand.plans import resolve_plan
@@ -947,6 +948,21 @@ def run_bad_batches(rank: int, world: int) -> dict:
             results[name] = f"{type(e).__name__}: {e}"
     torch.manual_seed(0)  # the fix
     step(model, optimizer, *x_y)
+    # Tensor-parallel ranks must pass the same batch (a DistributedSampler over all ranks gives each
+    # its own): each would compute its columns from other samples, and the row-parallel all-reduce
+    # would add them up. A 0-d tensor argument is replicated under DDP: a rank's own count is wrong.
+    tp = spmd.TensorParallel({"0": ColwiseParallel(), "2": RowwiseParallel()})
+    for name, plan, args in (
+        ("tp_different_batches", tp, _batch(rank, 4)),
+        ("ddp_different_scalars", spmd.DDP(), (*x_y, torch.tensor(float(rank + 1)))),
+    ):
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        step = spmd.compile(mesh=mesh, plan=plan, lower="eager")(scaled_step)
+        try:
+            step(model, torch.optim.SGD(model.parameters(), lr=0.1), *args, *([1.0] if len(args) == 2 else []))
+            results[name] = "no error"
+        except spmd.SpmdError as e:
+            results[name] = f"{type(e).__name__}: {e}"
     # After refusals, a good batch still trains (nothing was lost, no rank is stuck).
     x, y = _batch(1, 4)
     step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(classification_step)

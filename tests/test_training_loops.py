@@ -172,6 +172,11 @@ def test_refused_batches():
         assert "rank 0: seed 0, state" in seeded and "rank 1: seed 1, state" in seeded
         assert drawn.startswith("DivergenceError: the ranks' random generators are in different states"), drawn
         assert "not seed + rank" in seeded and "not seed + rank" in drawn
+        tp, scalar = res["tp_different_batches"], res["ddp_different_scalars"]
+        assert tp.startswith("BatchError: ranks that hold the same replicated batch tensor pass different values"), tp
+        assert "argument 0 (4, 16) float32, replicated over mesh dim(s) [0]: values differ between rank 0 | rank 1" in tp
+        assert "DistributedSampler(dataset, num_replicas=mesh['dp'].size()" in tp
+        assert "argument 2 () float32, replicated over mesh dim(s) [0]" in scalar and "argument 0" not in scalar, scalar
         assert torch.isfinite(res["after"])
     assert per_rank[0]["uneven_4_6"] == per_rank[1]["uneven_4_6"]  # every rank raises the same error
 
