@@ -37,7 +37,10 @@ refused (``TraceError``)                 a tensor the step was not handed (a glo
 refused (``BatchError``)                 local batches of different shapes on different ranks
                                          (uneven or empty), a batch tensor without the plan's
                                          batch dim, batch tensors of different sizes along it,
-                                         non-tensor arguments that differ between ranks
+                                         non-tensor arguments that differ between ranks,
+                                         replicated batch tensors (tensor-parallel ranks,
+                                         0-d arguments) whose values differ between ranks
+                                         (on calls that compile or select a graph)
 refused (``DivergenceError``)            hyperparameter values that differ between ranks
                                          (an LR scheduler stepped on rank 0 only); ranks
                                          about to run different compiled graphs (``eval()``
