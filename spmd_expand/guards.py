@@ -390,16 +390,21 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: Device
     only would update the same parameters with different learning rates on different ranks. And two
     graphs compiled earlier for two states (``train()`` and ``eval()``) may issue collectives that
     match in count and kind: a rank left in ``eval()`` would run its graph against the others' without
-    any error, exchanging unrelated values. Costs one all-gather of 4 int64 per call over the mesh's
-    ranks (skipped on torch's fake process group, which has one real process).
+    any error, exchanging unrelated values. The same holds for the default generator of a step that
+    draws random numbers (``call.generator``), and, on calls that compile or select a graph
+    (``call.check_values``), for the values of batch tensors a mesh dim replicates
+    (:func:`replicated_values`). Costs one all-gather of 5 int64 per call over the mesh's ranks, and
+    one ``all_gather_object`` more where values are compared (skipped on torch's fake process group,
+    which has one real process).
 
     Raises:
         BatchError: on every rank at once, naming each rank's shapes, arguments or problem, when ranks
             differ, a local batch is empty, a batch tensor lacks the batch dim, or tensors disagree on it,
             or a batch tensor is sparse or nested (:func:`not_dense_problem`; on one rank is enough).
+        BatchError: also when ranks that replicate a batch tensor pass different values.
         DivergenceError: on every rank at once, when the batches agree but the hyperparameter values
-            (naming each differing setting and its values) or the graphs differ (naming the model and
-            optimizer settings that differ: :func:`state_summary`).
+            (naming each differing setting and its values), the graphs (naming the model and
+            optimizer settings that differ: :func:`state_summary`) or the generators differ.
     """
     problems = batch_problems(leaves, plan, mesh)
     shapes = [(("nested",) if t.is_nested else tuple(t.shape), str(t.dtype)) for t in leaves]
