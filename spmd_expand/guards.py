@@ -523,8 +523,10 @@ def _check_replicated_values(leaves: Sequence[torch.Tensor], plan: ResolvedPlan,
     reports: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(reports, replicated_values(leaves, plan, mesh), group=group)
     ranks = dist.get_process_group_ranks(group)
-    grid = mesh.mesh
-    coords = {r: [int(c) for c in (grid == r).nonzero()[0]] for r in ranks}
+    # Each rank's coordinates on the mesh, from one pass over it (not one scan of the mesh per rank).
+    shape = tuple(mesh.mesh.shape)
+    position = {r: i for i, r in enumerate(mesh.mesh.flatten().tolist())}
+    coords = {r: [position[r] // math.prod(shape[d + 1:]) % shape[d] for d in range(len(shape))] for r in ranks}
     lines = []
     for k, (i, split, _) in enumerate(reports[0]):
         by_piece: dict[tuple, dict[int, list[int]]] = {}
