@@ -1306,6 +1306,14 @@ def _trace_failure_hint(kind: str, message: str, data_dependent: bool, library: 
             f"raise`, or a branch), which one graph cannot hold; write that computation out without the check, "
             f"or move it out of the step"
         )
+    if data_dependent and "extract specialized" in message:
+        # torch's GuardOnDataDependentSymNode when a value read into Python must become a plain int.
+        return (
+            "the step reads a tensor's value into Python and uses it as an int (`int(t)`, `range(t.item())`, or an "
+            "index or slice bound: `x[t]` with a 0-d tensor `t`, `x[:t]`), a value one graph cannot hold; keep it "
+            "a tensor: `x.index_select(dim, t.view(1))` or `torch.gather` for an index, a mask such as "
+            "`x * (torch.arange(len(x)) < t)` for a slice, or move that code out of the step"
+        )
     if data_dependent:
         return "the step branches on tensor values (data-dependent control flow); compute the branch with torch.where or move it out of the step"
     if kind == "DynamicOutputShapeException":

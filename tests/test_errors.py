@@ -484,6 +484,15 @@ def _tolist_step(model, optimizer, x):
     return loss
 
 
+def _tensor_index_step(model, optimizer, x):
+    out = model(x)
+    hardest = out.square().sum(1).argmax()
+    loss = out.square().mean() + out[hardest].sum()  # a 0-d tensor used as an index
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
 def _mask_step(model, optimizer, x):
     out = model(x)
     loss = out[out > 0].sum()  # a shape known only at run time
@@ -498,6 +507,15 @@ def test_reading_a_value_into_python_names_the_line(fake_mesh, step_fn, line):
     with pytest.raises(spmd.TraceError, match="reads a tensor's value into Python") as info:
         ddp(fake_mesh, step_fn)(model, sgd(model), torch.randn(4, 8))
     assert line in str(info.value) and "test_errors.py" in str(info.value)
+
+
+def test_indexing_with_a_tensor_value_says_what_fixes_it(fake_mesh):
+    """``x[t]`` with a 0-d tensor reads ``t`` into Python as an int: the fix is an index op, not a branch."""
+    model = _mlp()
+    with pytest.raises(spmd.TraceError, match="uses it as an int") as info:
+        ddp(fake_mesh, _tensor_index_step)(model, sgd(model), torch.randn(4, 8))
+    msg = str(info.value)
+    assert "out[hardest].sum()" in msg and "index_select" in msg and "torch.where" not in msg, msg
 
 
 def test_value_dependent_shape_says_what_fixes_it(fake_mesh):
