@@ -15,10 +15,12 @@ from .backend import parallelize
 from .dsymint import DSymInt
 from .errors import BatchError, CollectiveError, DivergenceError, PassError, PlacementError, PlanError, SpmdError, TraceError, UnsupportedOpError
 from .plans import DDP, FSDP, ParallelStyle, TensorParallel
+from .replicas import check_replicas
 
 __all__ = [
     "compile",
     "parallelize",
+    "check_replicas",
     "CompiledStep",
     "StepArtifacts",
     "Override",

@@ -963,6 +963,33 @@ def run_bad_batches(rank: int, world: int) -> dict:
             results[name] = "no error"
         except spmd.SpmdError as e:
             results[name] = f"{type(e).__name__}: {e}"
+    # State edited between calls on rank 0 only (`load_state_dict` or a weight edit under
+    # `if rank == 0:`): no call can see it, the ranks train different models from then on.
+    # spmd.check_replicas compares the values: it passes before the edit, names the tensor after it,
+    # and does not mistake an FSDP shard (a different piece on each rank) for a divergence.
+    for plan_name, plan in (("ddp", spmd.DDP()), ("fsdp", spmd.FSDP())):
+        torch.manual_seed(0)
+        model = TwoLayer()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        step = spmd.compile(mesh=mesh, plan=plan, lower="eager")(classification_step)
+        step(model, optimizer, *x_y)
+        results[f"replicas_{plan_name}_agree"] = spmd.check_replicas(model, optimizer)
+        if rank == 0:
+            with torch.no_grad():
+                model.fc2.bias.to_local().add_(1.0)
+        step(model, optimizer, *x_y)
+        try:
+            results[f"replicas_{plan_name}_edited"] = f"no error: {spmd.check_replicas(model, optimizer)} tensors"
+        except spmd.SpmdError as e:
+            results[f"replicas_{plan_name}_edited"] = f"{type(e).__name__}: {e}"
+    plain = TwoLayer()  # a plain model, replicated over the default process group
+    if rank == 1:
+        with torch.no_grad():
+            plain.fc1.weight.mul_(2.0)
+    try:
+        results["replicas_plain"] = f"no error: {spmd.check_replicas(plain)} tensors"
+    except spmd.SpmdError as e:
+        results["replicas_plain"] = f"{type(e).__name__}: {e}"
     # After refusals, a good batch still trains (nothing was lost, no rank is stuck).
     x, y = _batch(1, 4)
     step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(classification_step)

@@ -172,6 +172,14 @@ def test_refused_batches():
         assert "rank 0: seed 0, state" in seeded and "rank 1: seed 1, state" in seeded
         assert drawn.startswith("DivergenceError: the ranks' random generators are in different states"), drawn
         assert "not seed + rank" in seeded and "not seed + rank" in drawn
+        assert res["replicas_ddp_agree"] == res["replicas_fsdp_agree"] == 16  # 4 parameters, 3 AdamW states each
+        edited = res["replicas_ddp_edited"]
+        assert edited.startswith("DivergenceError: the ranks' replicas of 1 of 16 tensors hold different values"), edited
+        assert "parameter fc2.bias (4,) ((Replicate(),)): values differ between rank 0 | rank 1" in edited
+        assert "load checkpoints on every rank" in edited
+        assert res["replicas_fsdp_edited"] == "no error: 16 tensors", res["replicas_fsdp_edited"]  # shards differ by design
+        plain = res["replicas_plain"]
+        assert "parameter fc1.weight (32, 16) (a plain tensor, replicated): values differ between rank 0 | rank 1" in plain, plain
         tp, scalar = res["tp_different_batches"], res["ddp_different_scalars"]
         assert tp.startswith("BatchError: ranks that hold the same replicated batch tensor pass different values"), tp
         assert "argument 0 (4, 16) float32, replicated over mesh dim(s) [0]: values differ between rank 0 | rank 1" in tp
