@@ -365,6 +365,8 @@ class CallState:
         check_values: compare the values of replicated batch tensors across the ranks that replicate
             them (:func:`replicated_values`); set on the full path (a call that compiles or selects a
             graph), where a device synchronization costs nothing that matters.
+        distributes: set (with no batch) by :func:`check_state_distribution`: what this rank is about to
+            send from rank 0 to every rank, outside a step.
     """
 
     constants: tuple = ()
@@ -375,9 +377,10 @@ class CallState:
     optimizer: Optional[torch.optim.Optimizer] = None
     generator: Optional[str] = None
     check_values: bool = False
+    distributes: Optional[str] = None
 
 
-def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: DeviceMesh, call: CallState = CallState()) -> None:
+def check_batch(leaves: Sequence[torch.Tensor], plan: Optional[ResolvedPlan], mesh: DeviceMesh, call: CallState = CallState()) -> None:
     """Check that every rank of ``mesh`` passes local batches of the same shapes and dtypes, and that
     the ranks agree on ``call``: the same non-tensor arguments, the same optimizer hyperparameter
     values, and the same compiled graph.
@@ -421,7 +424,7 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: Device
             zlib.crc32(repr(shapes).encode()),
             len(leaves),
             int(bool(problems)),
-            zlib.crc32(repr((constants, values, call.graph, call.generator)).encode()),
+            zlib.crc32(repr((constants, values, call.graph, call.generator, call.distributes)).encode()),
             int(call.check_values),
         ],
         dtype=torch.int64,
@@ -448,8 +451,12 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: Device
     rows_agree = all(row[:3] == rows[0][:3] for row in rows) and not rows[0][2]  # column 3 differs
     summary = state_summary(call.model, call.optimizer) if rows_agree else None
     reports: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(reports, (shapes, problems, constants, values, call.graph, summary, call.generator), group=group)
+    dist.all_gather_object(
+        reports, (shapes, problems, constants, values, call.graph, summary, call.generator, call.distributes), group=group
+    )
     ranks = dist.get_process_group_ranks(group)
+    if any(r[7] != reports[0][7] for r in reports):
+        raise _one_sided_distribution(ranks, [r[7] for r in reports])
     batches_agree = all(r[:2] == reports[0][:2] and not r[1] for r in reports)
     if batches_agree and all(r[2] == reports[0][2] for r in reports):
         if any(repr(r[3]) != repr(reports[0][3]) for r in reports):
@@ -493,6 +500,38 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: Device
             "batch, e.g. DataLoader(drop_last=True) with a DistributedSampler), and tensor-parallel ranks "
             "the same batch"
         )
+    )
+
+
+def check_state_distribution(what: str, mesh: DeviceMesh) -> None:
+    """Before state loaded on this rank is sent from rank 0 to every rank (``what``: rank-independent
+    words, e.g. "model.load_state_dict distributes 4 loaded tensors"), check that every rank of ``mesh``
+    is about to do the same.
+
+    Loading under ``if rank == 0:`` is a common habit from torch DDP (which broadcasts only at
+    construction): here rank 0 would wait in the broadcast while the others run their next step, until
+    the process group's timeout (30 minutes by default), and gloo's error would not say why. This is the
+    per-call check's exchange (:func:`check_batch`, no batch), so it meets a peer's next step call
+    there and both sides learn at once.
+
+    Raises:
+        DivergenceError: on every rank at once, when some ranks of ``mesh`` do something else (their
+            next step call, another load), naming what each rank does and the fix; nothing was loaded.
+    """
+    check_batch((), None, mesh, CallState(distributes=what))
+
+
+def _one_sided_distribution(ranks: Sequence[int], doing: Sequence[Optional[str]]) -> DivergenceError:
+    shown = "\n".join(f"  rank {rank}: {what or 'calls the step'}" for rank, what in zip(ranks, doing))
+    return DivergenceError(
+        "some ranks send loaded state from rank 0 to every rank (a collective) while the others do not:\n" + shown
+        + "\n  after spmd.compile's first call (or spmd.parallelize) the parameters and optimizer states are "
+        "DTensors: model.load_state_dict of plain tensors, and the next step after optimizer.load_state_dict of "
+        "plain states, distribute rank 0's values to every rank, so every rank must make that call; made under "
+        "`if rank == 0:` it would wait for the others until the process group's timeout. Nothing was loaded, "
+        "the step did not run\n"
+        "  fix: load on every rank (each rank may read the checkpoint file; rank 0's values are the ones used), "
+        "or load a sharded checkpoint with torch.distributed.checkpoint on every rank"
     )
 
 

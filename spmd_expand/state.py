@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import PlanError, TraceError
-from .guards import mesh_group, not_dense_problem
+from .guards import check_state_distribution, mesh_group, not_dense_problem
 from .plans import ResolvedPlan
 from .rank_check import check_ranks_agree, state_entries
 from .spec import local_slice, replicate
@@ -178,10 +178,17 @@ def distribute_state(
             new[id(p)]._post_accumulate_grad_hooks = p._post_accumulate_grad_hooks
     fqn_of = {id(p): fqn for fqn, p in model.named_parameters()}
     if optimizer is not None:
-        for p, st in optimizer.state.items():
-            for key, v in list(st.items()):
-                if isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
-                    st[key] = _distribute(v, mesh, plan.state_placements(fqn_of[id(p)], p, v))
+        plain = [
+            (p, st, key, v)
+            for p, st in optimizer.state.items()
+            for key, v in st.items()
+            if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
+        ]
+        if plain and not new:
+            # States loaded since the model was converted (optimizer.load_state_dict of plain tensors).
+            check_state_distribution(f"the step distributes {len(plain)} plain optimizer states (loaded)", mesh)
+        for p, st, key, v in plain:
+            st[key] = _distribute(v, mesh, plan.state_placements(fqn_of[id(p)], p, v))
     if new:
         # Buffers stay plain tensors, replicated: every rank must hold rank 0's values (a rank that
         # differs would silently compute another model), so they are broadcast along with the
@@ -209,11 +216,20 @@ def _distribute_loaded_tensors(module: nn.Module, state_dict: dict, prefix: str,
     plain tensor into a DTensor would raise. Other entries (DTensors, buffers, wrong shapes: torch's
     size-mismatch error) are left to ``load_state_dict``. ``state_dict`` is torch's copy of the
     caller's dict; the caller's tensors are not written (the broadcast goes to a copy)."""
-    for fqn, param in module.named_parameters():
-        value = state_dict.get(prefix + fqn)
-        if isinstance(param, DTensor) and type(value) is torch.Tensor and value.shape == param.shape:
-            source = value.detach().to(device=param.to_local().device, copy=True)
-            state_dict[prefix + fqn] = _distribute(source, param.device_mesh, param.placements)
+    loaded = [
+        (fqn, param, value)
+        for fqn, param in module.named_parameters()
+        if isinstance(param, DTensor)
+        and type(value := state_dict.get(prefix + fqn)) is torch.Tensor
+        and value.shape == param.shape
+    ]
+    if loaded:
+        check_state_distribution(
+            f"model.load_state_dict distributes {len(loaded)} loaded tensors ({loaded[0][0]}, ...)", loaded[0][1].device_mesh
+        )
+    for fqn, param, value in loaded:
+        source = value.detach().to(device=param.to_local().device, copy=True)
+        state_dict[prefix + fqn] = _distribute(source, param.device_mesh, param.placements)
 
 
 def _refuse_sparse_gradients(model: nn.Module) -> None:

@@ -982,6 +982,28 @@ def run_bad_batches(rank: int, world: int) -> dict:
             results[f"replicas_{plan_name}_edited"] = f"no error: {spmd.check_replicas(model, optimizer)} tensors"
         except spmd.SpmdError as e:
             results[f"replicas_{plan_name}_edited"] = f"{type(e).__name__}: {e}"
+    # Loading under `if rank == 0:` (torch DDP's habit): after the first call the load distributes rank
+    # 0's values (a collective), so rank 0 would wait in it while rank 1 runs its step, until the
+    # timeout. Both ranks are told at once; loading on every rank works.
+    full = {k: v.full_tensor() * 2 for k, v in model.state_dict().items()}
+    saved = optimizer.state_dict()  # as a single-device checkpoint holds it: plain tensors
+    plain_states = {**saved, "state": {i: {k: _full(v) for k, v in st.items()} for i, st in saved["state"].items()}}
+
+    def load_plain_optimizer_state():
+        optimizer.load_state_dict(plain_states)
+
+    for name in ("load_model_on_rank_0", "load_optimizer_on_rank_0"):
+        try:
+            if rank == 0:
+                model.load_state_dict(full) if name == "load_model_on_rank_0" else load_plain_optimizer_state()
+            step(model, optimizer, *x_y)
+            results[name] = "no error"
+        except spmd.SpmdError as e:
+            results[name] = f"{type(e).__name__}: {e}"
+    load_plain_optimizer_state()  # the fix: every rank loads
+    model.load_state_dict(full)
+    step(model, optimizer, *x_y)
+    results["loaded_on_every_rank"] = spmd.check_replicas(model, optimizer)
     plain = TwoLayer()  # a plain model, replicated over the default process group
     if rank == 1:
         with torch.no_grad():

@@ -180,6 +180,14 @@ def test_refused_batches():
         assert res["replicas_fsdp_edited"] == "no error: 16 tensors", res["replicas_fsdp_edited"]  # shards differ by design
         plain = res["replicas_plain"]
         assert "parameter fc1.weight (32, 16) (a plain tensor, replicated): values differ between rank 0 | rank 1" in plain, plain
+        for name, doing in (
+            ("load_model_on_rank_0", "rank 0: model.load_state_dict distributes 4 loaded tensors (fc1.weight, ...)"),
+            ("load_optimizer_on_rank_0", "rank 0: the step distributes 12 plain optimizer states (loaded)"),
+        ):
+            text = res[name]
+            assert text.startswith("DivergenceError: some ranks send loaded state from rank 0 to every rank"), text
+            assert doing in text and "rank 1: calls the step" in text and "load on every rank" in text, text
+        assert res["loaded_on_every_rank"] == 16
         tp, scalar = res["tp_different_batches"], res["ddp_different_scalars"]
         assert tp.startswith("BatchError: ranks that hold the same replicated batch tensor pass different values"), tp
         assert "argument 0 (4, 16) float32, replicated over mesh dim(s) [0]: values differ between rank 0 | rank 1" in tp
