@@ -302,7 +302,10 @@ class CompiledStep:
         graph = selected.graph_digest if selected is not None else None
         check_batch(
             batch_leaves, self._resolved, self.mesh,
-            CallState(constants, hyperparameters, values, graph, model, optimizer, generator, check_values=bound is None),
+            CallState(
+                constants, hyperparameters, values, graph, model, optimizer, generator, check_values=bound is None,
+                step=f"{getattr(self.fn, '__module__', '?')}.{getattr(self.fn, '__qualname__', repr(self.fn))}",
+            ),
         )
         # The step updates local shards in place; autograd must not track that.
         with torch.no_grad():

@@ -367,6 +367,7 @@ class CallState:
             graph), where a device synchronization costs nothing that matters.
         distributes: set (with no batch) by :func:`check_state_distribution`: what this rank is about to
             send from rank 0 to every rank, outside a step.
+        step: the compiled step function this call runs (module and qualified name), None outside a step.
     """
 
     constants: tuple = ()
@@ -378,6 +379,7 @@ class CallState:
     generator: Optional[str] = None
     check_values: bool = False
     distributes: Optional[str] = None
+    step: Optional[str] = None
 
 
 def check_batch(leaves: Sequence[torch.Tensor], plan: Optional[ResolvedPlan], mesh: DeviceMesh, call: CallState = CallState()) -> None:
@@ -424,7 +426,7 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: Optional[ResolvedPlan], me
             zlib.crc32(repr(shapes).encode()),
             len(leaves),
             int(bool(problems)),
-            zlib.crc32(repr((constants, values, call.graph, call.generator, call.distributes)).encode()),
+            zlib.crc32(repr((constants, values, call.graph, call.generator, call.distributes, call.step)).encode()),
             int(call.check_values),
         ],
         dtype=torch.int64,
@@ -452,11 +454,15 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: Optional[ResolvedPlan], me
     summary = state_summary(call.model, call.optimizer) if rows_agree else None
     reports: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(
-        reports, (shapes, problems, constants, values, call.graph, summary, call.generator, call.distributes), group=group
+        reports,
+        (shapes, problems, constants, values, call.graph, summary, call.generator, call.distributes, call.step),
+        group=group,
     )
     ranks = dist.get_process_group_ranks(group)
     if any(r[7] != reports[0][7] for r in reports):
-        raise _one_sided_distribution(ranks, [r[7] for r in reports])
+        raise _one_sided_distribution(ranks, [r[7] for r in reports], [r[8] for r in reports])
+    if any(r[8] != reports[0][8] for r in reports):
+        raise _different_steps(ranks, [r[8] for r in reports])
     batches_agree = all(r[:2] == reports[0][:2] and not r[1] for r in reports)
     if batches_agree and all(r[2] == reports[0][2] for r in reports):
         if any(repr(r[3]) != repr(reports[0][3]) for r in reports):
@@ -521,8 +527,24 @@ def check_state_distribution(what: str, mesh: DeviceMesh) -> None:
     check_batch((), None, mesh, CallState(distributes=what))
 
 
-def _one_sided_distribution(ranks: Sequence[int], doing: Sequence[Optional[str]]) -> DivergenceError:
-    shown = "\n".join(f"  rank {rank}: {what or 'calls the step'}" for rank, what in zip(ranks, doing))
+def _different_steps(ranks: Sequence[int], steps: Sequence[Optional[str]]) -> DivergenceError:
+    shown = "\n".join(f"  rank {rank}: calls {step}" for rank, step in zip(ranks, steps))
+    return DivergenceError(
+        "the ranks call different compiled steps at the same time:\n" + shown + "\n"
+        "  each compiled step is one program run by every rank of the mesh together (its collectives meet the "
+        "peers' same collectives); an evaluation step called under `if rank == 0:` would exchange data with the "
+        "other ranks' training step. Neither step ran, nothing was updated\n"
+        "  fix: call every compiled step on every rank, in the same order (evaluate on all ranks, each on its "
+        "share of the validation batch; print or save on rank 0 only)"
+    )
+
+
+def _one_sided_distribution(
+    ranks: Sequence[int], doing: Sequence[Optional[str]], steps: Sequence[Optional[str]]
+) -> DivergenceError:
+    shown = "\n".join(
+        f"  rank {rank}: {what or f'calls the step {step}'}" for rank, what, step in zip(ranks, doing, steps)
+    )
     return DivergenceError(
         "some ranks send loaded state from rank 0 to every rank (a collective) while the others do not:\n" + shown
         + "\n  after spmd.compile's first call (or spmd.parallelize) the parameters and optimizer states are "

@@ -1004,6 +1004,16 @@ def run_bad_batches(rank: int, world: int) -> dict:
     model.load_state_dict(full)
     step(model, optimizer, *x_y)
     results["loaded_on_every_rank"] = spmd.check_replicas(model, optimizer)
+    # An evaluation step called under `if rank == 0:` while rank 1 trains: the two steps' exchanges
+    # would pair up; named as such (not as a difference in hyperparameters).
+    evaluate = spmd.compile(mesh=mesh, plan=plan, lower="eager")(eval_loss_and_logits)
+    try:
+        if rank == 0:
+            evaluate(model, *x_y)
+        step(model, optimizer, *x_y)
+        results["eval_step_on_rank_0"] = "no error"
+    except spmd.SpmdError as e:
+        results["eval_step_on_rank_0"] = f"{type(e).__name__}: {e}"
     plain = TwoLayer()  # a plain model, replicated over the default process group
     if rank == 1:
         with torch.no_grad():
