@@ -530,12 +530,14 @@ def check_state_distribution(what: str, mesh: DeviceMesh) -> None:
 def _different_steps(ranks: Sequence[int], steps: Sequence[Optional[str]]) -> DivergenceError:
     shown = "\n".join(f"  rank {rank}: calls {step}" for rank, step in zip(ranks, steps))
     return DivergenceError(
-        "the ranks call different compiled steps at the same time:\n" + shown + "\n"
-        "  each compiled step is one program run by every rank of the mesh together (its collectives meet the "
-        "peers' same collectives); an evaluation step called under `if rank == 0:` would exchange data with the "
-        "other ranks' training step. Neither step ran, nothing was updated\n"
-        "  fix: call every compiled step on every rank, in the same order (evaluate on all ranks, each on its "
-        "share of the validation batch; print or save on rank 0 only)"
+        "the ranks make different calls at the same time:\n" + shown + "\n"
+        "  each compiled step (and spmd.check_replicas) is one program run by every rank of the mesh together: "
+        "its collectives meet the peers' same collectives. A call made on some ranks only (an evaluation step "
+        "under `if rank == 0:`, one more batch on ranks whose data loader is longer) would exchange data with the "
+        "others' next call. Nothing ran, nothing was updated\n"
+        "  fix: make every call on every rank, in the same order: evaluate on all ranks, each on its share of the "
+        "validation batch (print or save on rank 0 only); give every rank the same number of batches "
+        "(DistributedSampler pads to equal lengths; DataLoader(drop_last=True))"
     )
 
 

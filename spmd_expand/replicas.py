@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from .errors import DivergenceError, SpmdError
-from .guards import mesh_group
+from .guards import CallState, check_batch, mesh_group
 
 __all__ = ["check_replicas"]
 
@@ -109,6 +109,10 @@ def check_replicas(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] 
         return len(tensors)
     if mesh is None:
         mesh = next((t.device_mesh for _, t in tensors if isinstance(t, DTensor)), None)
+    if mesh is not None:
+        # The per-call exchange first: a peer still in a step (one more batch on some ranks) meets it there
+        # and every rank learns which call each rank makes, instead of mismatched collectives.
+        check_batch((), None, mesh, CallState(step="spmd.check_replicas"))
     mesh_ids: dict[int, int] = {}
     report = [(name, _piece(t, mesh_ids), _checksum(t.to_local() if isinstance(t, DTensor) else t)) for name, t in tensors]
     group = mesh_group(mesh) if mesh is not None else dist.group.WORLD

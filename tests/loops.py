@@ -1014,6 +1014,14 @@ def run_bad_batches(rank: int, world: int) -> dict:
         results["eval_step_on_rank_0"] = "no error"
     except spmd.SpmdError as e:
         results["eval_step_on_rank_0"] = f"{type(e).__name__}: {e}"
+    # One more batch on rank 0 (a longer data loader) while rank 1 goes on to check the replicas.
+    try:
+        if rank == 0:
+            step(model, optimizer, *x_y)
+        spmd.check_replicas(model, optimizer)
+        results["one_more_step_on_rank_0"] = "no error"
+    except spmd.SpmdError as e:
+        results["one_more_step_on_rank_0"] = f"{type(e).__name__}: {e}"
     plain = TwoLayer()  # a plain model, replicated over the default process group
     if rank == 1:
         with torch.no_grad():

@@ -189,8 +189,11 @@ def test_refused_batches():
             assert doing in text and "rank 1: calls the step" in text and "load on every rank" in text, text
         assert res["loaded_on_every_rank"] == 16
         text = res["eval_step_on_rank_0"]
-        assert text.startswith("DivergenceError: the ranks call different compiled steps at the same time"), text
+        assert text.startswith("DivergenceError: the ranks make different calls at the same time"), text
         assert "rank 0: calls loops.eval_loss_and_logits\n  rank 1: calls loops.classification_step" in text, text
+        text = res["one_more_step_on_rank_0"]
+        assert "rank 0: calls loops.classification_step\n  rank 1: calls spmd.check_replicas" in text, text
+        assert "DataLoader(drop_last=True)" in text
         tp, scalar = res["tp_different_batches"], res["ddp_different_scalars"]
         assert tp.startswith("BatchError: ranks that hold the same replicated batch tensor pass different values"), tp
         assert "argument 0 (4, 16) float32, replicated over mesh dim(s) [0]: values differ between rank 0 | rank 1" in tp
