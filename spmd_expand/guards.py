@@ -441,8 +441,9 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: Optional[ResolvedPlan], me
         raise CollectiveError(
             f"rank {dist.get_rank()}: the batch check before the step (an all_gather of 5 int64 over the mesh's "
             f"ranks {dist.get_process_group_ranks(group)}) failed: {first_line(e)}. "
-            f"Another rank failed or stopped calling the step (look for its error first), or did not call it "
-            f"within the process group's timeout"
+            f"Another rank failed or stopped calling the step (look for its error first; or its data loader ran "
+            f"out first: give every rank the same number of batches, e.g. DistributedSampler, which pads to equal "
+            f"lengths), or did not call it within the process group's timeout"
         ) from e
     rows = gathered.view(-1, 5).tolist()
     if all(row[:4] == rows[0][:4] for row in rows) and not rows[0][2]:
