@@ -131,6 +131,8 @@ class CompiledStep:
         if self.timeout is not None:
             set_group_timeouts(mesh, self.timeout)
         self.fn = fn
+        # What the per-call exchange names this step by (the same on every rank).
+        self._step_name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
         self.mesh = mesh
         self.plan = plan
         self.lower = lower
@@ -304,7 +306,7 @@ class CompiledStep:
             batch_leaves, self._resolved, self.mesh,
             CallState(
                 constants, hyperparameters, values, graph, model, optimizer, generator, check_values=bound is None,
-                step=f"{getattr(self.fn, '__module__', '?')}.{getattr(self.fn, '__qualname__', repr(self.fn))}",
+                step=self._step_name,
             ),
         )
         # The step updates local shards in place; autograd must not track that.
