@@ -410,6 +410,8 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: Optional[ResolvedPlan], me
         DivergenceError: on every rank at once, when the batches agree but the hyperparameter values
             (naming each differing setting and its values), the graphs (naming the model and
             optimizer settings that differ: :func:`state_summary`) or the generators differ.
+        DivergenceError: first, when the ranks make different calls (``call.step``: an evaluation step
+            on rank 0 only) or some ranks distribute loaded state (``call.distributes``) and others not.
     """
     problems = batch_problems(leaves, plan, mesh)
     shapes = [(("nested",) if t.is_nested else tuple(t.shape), str(t.dtype)) for t in leaves]
@@ -546,7 +548,7 @@ def _one_sided_distribution(
     ranks: Sequence[int], doing: Sequence[Optional[str]], steps: Sequence[Optional[str]]
 ) -> DivergenceError:
     shown = "\n".join(
-        f"  rank {rank}: {what or f'calls the step {step}'}" for rank, what, step in zip(ranks, doing, steps)
+        f"  rank {rank}: {what or f'calls {step}'}" for rank, what, step in zip(ranks, doing, steps)
     )
     return DivergenceError(
         "some ranks send loaded state from rank 0 to every rank (a collective) while the others do not:\n" + shown
