@@ -583,6 +583,19 @@ def replicated_values(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: 
     return out
 
 
+def replica_disagreement(ranks: Sequence[int], held: Sequence[tuple[Any, Any]]) -> Optional[str]:
+    """``held``: for each of ``ranks``, (the piece of a tensor it holds, a digest of its values). Ranks
+    that hold the same piece must hold the same values: for the first piece whose holders disagree,
+    the ranks on each side (``"rank 0 | rank 1"``, ``"ranks 0, 2 | rank 1"``); None when all agree."""
+    by_piece: dict[Any, dict[Any, list[int]]] = {}
+    for rank, (piece, value) in zip(ranks, held):
+        by_piece.setdefault(piece, {}).setdefault(value, []).append(rank)
+    for by_value in by_piece.values():
+        if len(by_value) > 1:
+            return " | ".join(("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs)) for rs in by_value.values())
+    return None
+
+
 def _check_replicated_values(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: DeviceMesh, group) -> None:
     """Raise :class:`BatchError` on every rank when ranks that replicate a batch tensor (the same
     coordinates on the mesh dims that split it) pass different values (:func:`replicated_values`)."""
@@ -595,20 +608,16 @@ def _check_replicated_values(leaves: Sequence[torch.Tensor], plan: ResolvedPlan,
     coords = {r: [position[r] // math.prod(shape[d + 1:]) % shape[d] for d in range(len(shape))] for r in ranks}
     lines = []
     for k, (i, split, _) in enumerate(reports[0]):
-        by_piece: dict[tuple, dict[int, list[int]]] = {}
-        for rank, report in zip(ranks, reports):
-            piece = tuple(coords[rank][d] for d in split)
-            by_piece.setdefault(piece, {}).setdefault(report[k][2], []).append(rank)
-        for holders in by_piece.values():
-            if len(holders) > 1:
-                sides = " | ".join(("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs)) for rs in holders.values())
-                t = leaves[i]
-                lines.append(
-                    f"  argument {i} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}, replicated over mesh "
-                    f"dim(s) {[d for d in range(mesh.ndim) if d not in split and mesh.size(d) > 1]}: values differ "
-                    f"between {sides}"
-                )
-                break
+        sides = replica_disagreement(
+            ranks, [(tuple(coords[rank][d] for d in split), report[k][2]) for rank, report in zip(ranks, reports)]
+        )
+        if sides is not None:
+            t = leaves[i]
+            lines.append(
+                f"  argument {i} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}, replicated over mesh "
+                f"dim(s) {[d for d in range(mesh.ndim) if d not in split and mesh.size(d) > 1]}: values differ "
+                f"between {sides}"
+            )
     if lines:
         raise BatchError(
             "ranks that hold the same replicated batch tensor pass different values:\n" + "\n".join(lines) + "\n"

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from .errors import DivergenceError, SpmdError
-from .guards import CallState, check_batch, mesh_group
+from .guards import CallState, check_batch, mesh_group, replica_disagreement
 
 __all__ = ["check_replicas"]
 
@@ -138,16 +138,10 @@ def check_replicas(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] 
         )
     differing = []
     for k, (name, t) in enumerate(tensors):
-        holders: dict[tuple, dict[int, list[int]]] = {}
-        for rank, (_, entries) in zip(ranks, reports):
-            piece, crc = entries[k]
-            holders.setdefault(piece, {}).setdefault(crc, []).append(rank)
-        for by_value in holders.values():
-            if len(by_value) > 1:
-                sides = " | ".join(("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs)) for rs in by_value.values())
-                placements = tuple(t.placements) if isinstance(t, DTensor) else "a plain tensor, replicated"
-                differing.append(f"  {name} {tuple(t.shape)} ({placements}): values differ between {sides}")
-                break
+        sides = replica_disagreement(ranks, [entries[k] for _, entries in reports])
+        if sides is not None:
+            placements = tuple(t.placements) if isinstance(t, DTensor) else "a plain tensor, replicated"
+            differing.append(f"  {name} {tuple(t.shape)} ({placements}): values differ between {sides}")
     if differing:
         more = f"\n  ... and {len(differing) - _SHOWN} more" if len(differing) > _SHOWN else ""
         raise DivergenceError(
