@@ -54,7 +54,8 @@ def measure(layers: int, calls: int, mesh) -> dict:
     artifacts = step.last
     binding = step._binding
     values = [hp.read(optimizer) for hp in binding.hyperparameters]
-    outputs = artifacts.runner(*binding.local_inputs([x]), *values)
+    with torch.no_grad():  # as the step runs its graph: the graph updates leaf tensors in place
+        outputs = artifacts.runner(*binding.local_inputs([x]), *values)
     artifacts.runner = lambda *inputs: outputs  # the graph itself is not measured
 
     def full():

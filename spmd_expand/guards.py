@@ -177,24 +177,41 @@ def cache_key(
 class Snapshot:
     """What :func:`cache_key` and the graph's inputs depend on, cheap to take and compare on every call.
 
-    ``objects`` are compared by identity (model, optimizer, every module, parameter and its local
-    tensor, buffer, param group and its members, state dict and tensor state); ``values`` by equality
-    (class and ``training`` of every module, ``requires_grad``, whether a gradient exists, parameter and buffer shapes, the
-    number of slots of every module, non-float param-group settings and the type of float ones, state
-    keys and non-tensor states).
+    ``objects`` are compared by identity (model, optimizer, every module and its class, parameter and
+    its local tensor, buffer, hook, param group and its members, state dict); ``values`` by equality
+    (``training`` of every module, ``requires_grad``, whether a gradient exists, parameter and buffer
+    shapes, the number of slots of every module, non-float param-group settings and the type of float
+    ones, state keys); ``states`` (every optimizer state value) tensors by identity and the rest by
+    value (:func:`_setting`).
     Two equal snapshots of the same model and optimizer give the same :func:`cache_key` and the same
-    graph input roles; taking one walks the module tree once (microseconds per module, no names).
+    graph input roles. Taking one walks the module tree once with no names and builds each list in
+    C-level ``map``/``attrgetter`` passes (``bench/call_overhead.py`` measures a call); comparing is
+    C-level identity and equality, except ``states`` when a state object changed (e.g. an int
+    ``step``), compared one by one.
     """
 
     objects: list
     values: list
+    states: list
 
     def same_as(self, other: "Snapshot") -> bool:
         return (
             len(self.objects) == len(other.objects)
             and all(map(operator.is_, self.objects, other.objects))
             and self.values == other.values
+            and len(self.states) == len(other.states)
+            and (all(map(operator.is_, self.states, other.states)) or all(map(_same_state, self.states, other.states)))
         )
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    """Whether two optimizer state values are the same for the graph: a tensor only itself (the graph
+    updates it in place; another object is new state), anything else by value."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    return _setting(a) == _setting(b)
 
 
 def _setting_kind(value: Any) -> Any:
@@ -206,31 +223,46 @@ def _setting_kind(value: Any) -> Any:
     return _setting(value)
 
 
+_SLOTS = operator.attrgetter("_parameters", "_buffers", "_modules")
+_TRAINING = operator.attrgetter("training")
+_PARAM_VALUES = operator.attrgetter("requires_grad", "shape")
+_BUFFER_VALUES = operator.attrgetter("shape", "dtype")
+_GRAD = operator.attrgetter("grad")
+
+
 def snapshot(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Snapshot:
     """Take the :class:`Snapshot` of ``model`` and ``optimizer`` (see there)."""
+    # A tensor subclass's properties (a DTensor's or Parameter's ``shape``, ``grad``, hooks) go
+    # through its ``__torch_function__`` (a Python call each, disabled or not); read them as torch's
+    # own attributes instead: the same values, half the time of a call for DTensor parameters.
+    with torch._C.DisableTorchFunctionSubclass():
+        return _snapshot(model, optimizer)
+
+
+def _snapshot(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Snapshot:
     modules = []
     stack = [model]
     while stack:
         module = stack.pop()
         modules.append(module)
         stack.extend(c for c in reversed(module._modules.values()) if c is not None)
-    slots = [m._parameters for m in modules]
-    params = [p for slot in slots for p in slot.values() if p is not None]
-    buffers = [b for m in modules for b in m._buffers.values() if b is not None]
-    objects: list = [model, optimizer, *modules, *params, *buffers]
+    slots = list(map(_SLOTS, modules))
+    params = [p for slot in slots for p in slot[0].values() if p is not None]
+    buffers = [b for slot in slots for b in slot[1].values() if b is not None]
+    objects: list = [model, optimizer, *modules, *map(type, modules), *params, *buffers]
     # A DTensor parameter's local tensor (``swap_tensors`` replaces it); a plain one itself.
     objects += [getattr(p, "_local_tensor", p) for p in params]
-    values: list = [(type(m), m.training) for m in modules]
+    values: list = list(map(_TRAINING, modules))
     # Its storage: ``p.data = ...`` swaps it (and for a DTensor nothing else; api refuses that).
     values += [p.untyped_storage()._cdata for p in params]
-    values += [(len(slot), len(m._buffers), len(m._modules)) for m, slot in zip(modules, slots)]
-    values += [p.requires_grad for p in params]
-    values += [p.grad is None for p in params]
-    values += [p.shape for p in params]
-    values += [(b.shape, b.dtype) for b in buffers]
+    values += [tuple(map(len, slot)) for slot in slots]
+    values += map(_PARAM_VALUES, params)
+    values += map(operator.is_, map(_GRAD, params), itertools.repeat(None))
+    values += map(_BUFFER_VALUES, buffers)
     hook_objects, hook_counts = hooks(modules, params, optimizer)
     objects += hook_objects
     values += hook_counts
+    states: list = []
     if optimizer is not None:
         groups = optimizer.param_groups
         objects += [groups, optimizer.state, *groups]
@@ -238,15 +270,12 @@ def snapshot(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Sn
             objects += group["params"]
             values.append(len(group["params"]))
             values += [(key, _setting_kind(value)) for key, value in group.items() if key != "params"]
-        states = list(optimizer.state.values())
+        held = list(optimizer.state.values())
         objects += optimizer.state.keys()
-        objects += states
-        # Tensor states by identity (updated in place by the graph; a new object means new state),
-        # the rest by value.
-        objects += [v for st in states for v in st.values() if isinstance(v, torch.Tensor)]
-        values += [tuple(st) for st in states]
-        values += [None if isinstance(v, torch.Tensor) else _setting(v) for st in states for v in st.values()]
-    return Snapshot(objects, values)
+        objects += held
+        values += map(tuple, held)
+        states = list(itertools.chain.from_iterable(map(dict.values, held)))
+    return Snapshot(objects, values, states)
 
 
 _LAYOUT_PROBLEM = "not dense: tensor argument"

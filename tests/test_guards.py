@@ -68,6 +68,8 @@ CHANGES = {
     "state_cleared": lambda m, o: o.state[m.fc1.weight].clear(),
     "state_dropped": lambda m, o: o.state.pop(m.fc1.weight),
     "state_key_added": lambda m, o: o.state[m.fc1.weight].__setitem__("extra", None),
+    "state_tensor_replaced": lambda m, o: o.state[m.fc1.weight].__setitem__("exp_avg", o.state[m.fc1.weight]["exp_avg"].clone()),
+    "state_number_changed": lambda m, o: o.state[m.fc1.weight].__setitem__("step", 7),
     "optimizer_reloaded": lambda m, o: o.load_state_dict(o.state_dict()),
 }
 
