@@ -100,6 +100,19 @@ def test_snapshot_ignores_graph_inputs(name):
     assert snapshot(model, optimizer).same_as(before), name
 
 
+def test_snapshot_compares_non_tensor_states_by_value():
+    """A non-tensor optimizer state replaced by an equal new object is the same state; another value is not."""
+    model, optimizer = _pair()
+    state = optimizer.state[model.fc1.weight]
+    state["count"] = float("1.5")
+    before = snapshot(model, optimizer)
+    state["count"] = float("1.5")
+    assert state["count"] is not before.states[[k for st in optimizer.state.values() for k in st].index("count")]
+    assert snapshot(model, optimizer).same_as(before)
+    state["count"] = 2.5
+    assert not snapshot(model, optimizer).same_as(before)
+
+
 def _step(model, optimizer, x):
     loss = model(x).square().mean()
     loss.backward()
