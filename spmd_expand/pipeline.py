@@ -164,6 +164,14 @@ def creates_optimizer_state(traced: TracedStep) -> bool:
     return any(o.kind == "state" and (o.fqn, o.key) not in given for o in traced.outputs)
 
 
+BATCH_SHAPE_FIX = (
+    "every rank must pass batch tensors of the same shapes and dtypes: a batch tensor's global shape is "
+    "the local one times the data-parallel size, so a shorter local batch on some ranks (the last batch of "
+    "an epoch) gives each rank another program. Pass equal local batches (DataLoader(drop_last=True), or "
+    "pad the short batch and mask the padding out of the loss)"
+)
+
+
 def compile_step(*args: Any, lower: str, **kwargs: Any) -> StepArtifacts:
     """Run every stage once for the step's current state (:func:`expand_step`, then lower).
 
@@ -246,7 +254,12 @@ def expand_step(
         # placements: every rank must hold the same ones before any rank-local stage can fail.
         entries, sources = graph_entries(traced.graph_module)
         entries += [f"input {role} {tuple(p)}" for role, p in zip(roles, placements)]
-        check_ranks_agree("the global graph of the step", entries, sources + [""] * len(roles), mesh, timeout)
+        # Graph entries are one per node, placeholders first, in the order of the traced inputs.
+        batch_lines = {i for i, role in enumerate(traced.inputs) if role.kind == "batch"}
+        check_ranks_agree(
+            "the global graph of the step", entries, sources + [""] * len(roles), mesh, timeout,
+            fix=lambda index: BATCH_SHAPE_FIX if index in batch_lines else None,
+        )
         graph_digest = zlib.crc32("\n".join(entries).encode())
         # Each rank keeps its slice of a draw from its own default generator: the ranks' generators
         # must be in the same state, or each slice comes from another draw (rng.py).

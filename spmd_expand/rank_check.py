@@ -36,7 +36,7 @@ import itertools
 import json
 import re
 from datetime import timedelta
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -150,14 +150,15 @@ def check_ranks_agree(
     sources: Sequence[str],
     mesh: DeviceMesh,
     wait_for: Optional[timedelta] = None,
-    fix: Optional[str] = None,
+    fix: Union[None, str, Callable[[int], Optional[str]]] = None,
 ) -> None:
     """Raise on every rank of ``mesh`` unless all of them hold the same ``entries``.
 
     ``what`` names the thing compared ("the global graph of the step"); it is compared too, so it
     must not depend on the rank. ``wait_for`` bounds the wait for the other ranks (the step's
     ``timeout``); default :data:`timeout`, else the store's timeout. ``fix``: what the error suggests
-    (default: look for rank-dependent code in the user's program).
+    (default: look for rank-dependent code in the user's program), or a function of the index in
+    ``entries`` of the first difference returning it (None: the default).
 
     Raises:
         DivergenceError: some ranks' entries differ from the mesh's first rank's (names them and the
@@ -218,9 +219,11 @@ _USER_FIX = (
 )
 
 
-def _report(what: str, ranks, differing, first: int, other: int, a, b, fix: Optional[str] = None) -> str:
+def _report(what: str, ranks, differing, first: int, other: int, a, b, fix=None) -> str:
     (entries_a, sources_a), (entries_b, sources_b) = a, b
     index = next((i for i, (x, y) in enumerate(zip(entries_a, entries_b)) if x != y), min(len(entries_a), len(entries_b)))
+    if callable(fix):
+        fix = fix(index - 1)  # the caller's entries follow the check's own name
 
     def side(entries, sources) -> str:
         if index >= len(entries):

@@ -1030,6 +1030,17 @@ def run_bad_batches(rank: int, world: int) -> dict:
         results["replicas_plain"] = f"no error: {spmd.check_replicas(plain)} tensors"
     except spmd.SpmdError as e:
         results["replicas_plain"] = f"{type(e).__name__}: {e}"
+    # Uneven local batches under torch.compile(backend="spmd") (no per-call exchange there): each rank
+    # captures another global shape; the compile-time comparison names the batch input and the fix.
+    parallel = spmd.parallelize(TwoLayer(), mesh, spmd.DDP())
+    compiled = torch.compile(parallel, backend="spmd", options={"mesh": mesh, "plan": spmd.DDP(), "lower": "eager"})
+    try:
+        compiled(_batch(0, (4, 6)[rank])[0]).sum().backward()
+        results["backend_uneven_4_6"] = "no error"
+    except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's error in BackendCompilerFailed
+        results["backend_uneven_4_6"] = str(e)
+    finally:
+        torch._dynamo.reset()
     # After refusals, a good batch still trains (nothing was lost, no rank is stuck).
     x, y = _batch(1, 4)
     step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(classification_step)

@@ -194,6 +194,10 @@ def test_refused_batches():
         text = res["one_more_step_on_rank_0"]
         assert "rank 0: calls loops.classification_step\n  rank 1: calls spmd.check_replicas" in text, text
         assert "DataLoader(drop_last=True)" in text
+        text = res["backend_uneven_4_6"]
+        assert "DivergenceError: the ranks do not run the same program" in text, text
+        assert "rank 0: arg" in text and "float32[8, 16]" in text and "float32[12, 16]" in text, text
+        assert "fix: every rank must pass batch tensors of the same shapes" in text and "drop_last=True" in text, text
         tp, scalar = res["tp_different_batches"], res["ddp_different_scalars"]
         assert tp.startswith("BatchError: ranks that hold the same replicated batch tensor pass different values"), tp
         assert "argument 0 (4, 16) float32, replicated over mesh dim(s) [0]: values differ between rank 0 | rank 1" in tp
