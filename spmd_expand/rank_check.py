@@ -219,7 +219,9 @@ _USER_FIX = (
 )
 
 
-def _report(what: str, ranks, differing, first: int, other: int, a, b, fix=None) -> str:
+def _report(
+    what: str, ranks, differing, first: int, other: int, a, b, fix: Union[None, str, Callable[[int], Optional[str]]] = None
+) -> str:
     (entries_a, sources_a), (entries_b, sources_b) = a, b
     index = next((i for i, (x, y) in enumerate(zip(entries_a, entries_b)) if x != y), min(len(entries_a), len(entries_b)))
     if callable(fix):
