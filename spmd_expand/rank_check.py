@@ -144,13 +144,18 @@ def _enabled(mesh: DeviceMesh) -> bool:
     return dist.is_initialized() and dist.get_backend() != "fake" and mesh.mesh.numel() > 1
 
 
+# What a refusal suggests: a text, or a function of the index of the first differing entry giving one
+# (None: the default, :data:`_USER_FIX`).
+Fix = Union[None, str, Callable[[int], Optional[str]]]
+
+
 def check_ranks_agree(
     what: str,
     entries: Sequence[str],
     sources: Sequence[str],
     mesh: DeviceMesh,
     wait_for: Optional[timedelta] = None,
-    fix: Union[None, str, Callable[[int], Optional[str]]] = None,
+    fix: Fix = None,
 ) -> None:
     """Raise on every rank of ``mesh`` unless all of them hold the same ``entries``.
 
@@ -219,9 +224,7 @@ _USER_FIX = (
 )
 
 
-def _report(
-    what: str, ranks, differing, first: int, other: int, a, b, fix: Union[None, str, Callable[[int], Optional[str]]] = None
-) -> str:
+def _report(what: str, ranks, differing, first: int, other: int, a, b, fix: Fix = None) -> str:
     (entries_a, sources_a), (entries_b, sources_b) = a, b
     index = next((i for i, (x, y) in enumerate(zip(entries_a, entries_b)) if x != y), min(len(entries_a), len(entries_b)))
     if callable(fix):
