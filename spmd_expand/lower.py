@@ -14,6 +14,7 @@ import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 
 from .errors import SpmdError
+from .frame_stack import frame_stack_headroom
 from .graph_stats import COLLECTIVES
 from .passes.manager import copy_graph_module
 from .passes.feeders import WAIT
@@ -80,6 +81,7 @@ def _keep_issue_order_pass(chained: Any) -> Any:
     return KeepCollectiveIssueOrder()
 
 
+@frame_stack_headroom
 def lower(
     gm: fx.GraphModule,
     example_inputs: Sequence[torch.Tensor],

@@ -35,6 +35,7 @@ from .batch_norm import traceable_batch_norms
 from .boundaries import refuse_split_sequences
 from .errors import TraceError
 from .expand import RedistributeCache, expand
+from .frame_stack import frame_stack_headroom
 from .graph_stats import annotate_local_values
 from .lower import lower as lower_graph
 from .passes.manager import PassContext, PassRecord, SpmdPass, copy_graph_module, run_passes
@@ -195,6 +196,7 @@ def compile_step(*args: Any, lower: str, **kwargs: Any) -> StepArtifacts:
     return artifacts
 
 
+@frame_stack_headroom
 def expand_step(
     fn: Callable[..., Any],
     args: tuple,
