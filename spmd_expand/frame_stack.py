@@ -43,7 +43,8 @@ def _call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
 
 _code = _call.__code__
 _unused = tuple(f"_unused{i}" for i in range(_UNUSED_SLOTS))
-# The same bytecode with more local variables, never read or written: only the frame is larger.
+# The same bytecode with more local variables, never read or written: only the frame is larger. The
+# added names go after _call's own; _call has no cell or free variables, whose slots would follow.
 _call_with_headroom = types.FunctionType(
     _code.replace(co_varnames=_code.co_varnames + _unused, co_nlocals=_code.co_nlocals + len(_unused)),
     _call.__globals__,
