@@ -15,7 +15,7 @@ from .data import load_text
 from .presets import mesh_shape, non_negative_int, positive_int, preset
 from .train import PARITY_ATOL, PARITY_RTOL, PLANS, TrainConfig, train_worker
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
@@ -148,7 +148,8 @@ def _diff_parser(sub: argparse._SubParsersAction) -> None:
     diff_tool.add_arguments(p)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``spmd-expand`` command line: the ``train``, ``dump`` and ``diff`` subcommands."""
     parser = argparse.ArgumentParser(
         prog="spmd-expand",
         description="Compile single-device PyTorch train steps into SPMD programs: train a model under a "
@@ -158,6 +159,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _train_parser(sub)
     _dump_parser(sub)
     _diff_parser(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "train":
         return _run_train(args)
