@@ -8,10 +8,15 @@ AOTAutograd and Inductor for ``torch.compile``), of its second step, and Inducto
 (``fxgraph_cache_hit`` / ``_miss`` / ``_bypass``). Variants:
 
 * ``spmd_ddp`` / ``spmd_fsdp``: ``spmd.compile`` with the DDP / FSDP preset (default passes);
+* ``spmd_ddp_sgd``: ``spmd_ddp`` with plain SGD (``foreach=True``, no momentum) for AdamW: how much of
+  the first step is compiling the optimizer's update, which ``spmd.compile`` puts in the step's graph;
 * ``torch_compile_ddp``: ``torch.compile(DistributedDataParallel(model))``, the optimizer eager: the
-  baseline of issue 11 (spmd's first step should come no later than this one's).
+  baseline of issue 11 (spmd's first step should come no later than this one's);
+* ``torch_compile_ddp_optimizer``: the same with ``optimizer.step`` compiled too
+  (``torch.compile(optimizer.step)``, torch's compiled-optimizer recipe): as much compiled as
+  ``spmd.compile`` compiles.
 
-Prints one JSON object. Run: ``python bench/first_step.py [--variants spmd_ddp spmd_fsdp torch_compile_ddp]``.
+Prints one JSON object. Run: ``python bench/first_step.py [--variants spmd_ddp ... torch_compile_ddp_optimizer]``.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("spmd_ddp", "spmd_fsdp", "torch_compile_ddp")
+VARIANTS = ("spmd_ddp", "spmd_fsdp", "spmd_ddp_sgd", "torch_compile_ddp", "torch_compile_ddp_optimizer")
 CONFIG = dict(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=96, batch=16)
 WORLD = 2
 
@@ -45,19 +50,23 @@ def worker(rank: int, world: int, variant: str) -> dict:
     x = torch.randint(0, CONFIG["vocab_size"], (local, CONFIG["block_size"]))
     y = torch.randint(0, CONFIG["vocab_size"], (local, CONFIG["block_size"]))
     if variant.startswith("spmd_"):
-        plan_name = variant.removeprefix("spmd_")
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
+        plan_name = variant.removeprefix("spmd_").removesuffix("_sgd")
+        if variant.endswith("_sgd"):
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, foreach=True)
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
         mesh = preset_mesh(plan_name, (world,), "cpu")
         step = spmd.compile(mesh=mesh, plan=preset(plan_name).build(model))(language_model_step)
         run = lambda: step(model, optimizer, x, y)  # noqa: E731
     else:
         compiled = torch.compile(DistributedDataParallel(model))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
+        optimizer_step = torch.compile(optimizer.step) if variant.endswith("_optimizer") else optimizer.step
 
         def run():
             loss = compiled(x, y)
             loss.backward()
-            optimizer.step()
+            optimizer_step()
             optimizer.zero_grad()
             return loss
 
@@ -100,12 +109,13 @@ def main() -> None:
                 row["process_s"] = time.perf_counter() - start
                 results.setdefault(variant, {})[run] = row
                 print(f"first_step: {variant} {run}: {row}", file=sys.stderr)
-    baseline = results.get("torch_compile_ddp", {})
-    for variant, runs in results.items():
-        for run, row in runs.items():
-            base = baseline.get(run, {}).get("first_step_s")
-            if base and "first_step_s" in row:
-                row["first_step_vs_torch_compile_ddp"] = round(row["first_step_s"] / base, 2)
+    for baseline_name in ("torch_compile_ddp", "torch_compile_ddp_optimizer"):
+        baseline = results.get(baseline_name, {})
+        for variant, runs in results.items():
+            for run, row in runs.items():
+                base = baseline.get(run, {}).get("first_step_s")
+                if base and "first_step_s" in row:
+                    row[f"first_step_vs_{baseline_name}"] = round(row["first_step_s"] / base, 2)
     print(json.dumps({"config": CONFIG, "world_size": WORLD, "variants": results}, indent=2))
 
 
