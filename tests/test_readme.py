@@ -1,7 +1,7 @@
 """The README's code against the code it documents: a renamed function, keyword, option, plan, flag,
 file or make target fails here instead of in a reader's terminal.
 
-Checked without running anything heavy (< 1 s, no process group): every Python block parses; every
+Checked without running anything heavy (~3 s with imports, no process group): every Python block parses; every
 ``spmd.<name>`` the README uses exists, and every keyword it passes to one is in that function's
 signature; every ``spmd_expand`` import resolves; ``torch.compile(backend="spmd", options={...})``
 names only options the backend takes; every ``spmd-expand`` command line (the usage line's
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -36,6 +37,13 @@ _FENCES = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", re.M | re.S)
 BLOCKS = [(m.group(2), textwrap.dedent(m.group(3))) for m in _FENCES.finditer(README)]
 PYTHON = [text for language, text in BLOCKS if language == "python"]
 INLINE = re.findall(r"`([^`\n]+)`", _FENCES.sub("", README))
+BLOCK_LINES = [line for _, text in BLOCKS for line in text.splitlines()]
+
+
+@functools.cache
+def _python_trees() -> tuple[ast.Module, ...]:
+    """The Python blocks parsed once (``test_python_block_parses`` names a block that does not parse)."""
+    return tuple(ast.parse(text) for text in PYTHON)
 
 
 def test_the_readme_has_what_these_tests_read():
@@ -49,30 +57,30 @@ def test_python_block_parses(index):
     ast.parse(PYTHON[index])
 
 
-def _spmd_uses() -> list[tuple[str, ast.AST]]:
-    """(name, node) for every ``spmd.<name>`` in the Python blocks and inline code."""
-    uses = []
+def _spmd_names() -> set[str]:
+    """Every ``<name>`` of ``spmd.<name>`` in the Python blocks and inline code."""
     inline_expressions = []
     for span in INLINE:
         try:
             inline_expressions.append(ast.parse(span))
         except SyntaxError:
             continue
-    for tree in [ast.parse(text) for text in PYTHON] + inline_expressions:
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "spmd":
-                uses.append((node.attr, node))
-    return uses
+    return {
+        node.attr
+        for tree in [*_python_trees(), *inline_expressions]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "spmd"
+    }
 
 
 def test_every_spmd_name_exists():
-    missing = sorted({name for name, _ in _spmd_uses() if not hasattr(spmd, name)})
+    missing = sorted(name for name in _spmd_names() if not hasattr(spmd, name))
     assert not missing, f"the README uses spmd.{missing}, which spmd_expand does not define"
 
 
 def test_keywords_passed_to_spmd_functions_are_in_their_signatures():
     wrong = []
-    calls = [node for text in PYTHON for node in ast.walk(ast.parse(text)) if isinstance(node, ast.Call)]
+    calls = [node for tree in _python_trees() for node in ast.walk(tree) if isinstance(node, ast.Call)]
     for call in calls:
         func = call.func
         if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "spmd"):
@@ -89,8 +97,8 @@ def test_keywords_passed_to_spmd_functions_are_in_their_signatures():
 
 def test_spmd_expand_imports_resolve():
     checked = 0
-    for text in PYTHON:
-        for node in ast.walk(ast.parse(text)):
+    for tree in _python_trees():
+        for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.name.startswith("spmd_expand"):
@@ -108,8 +116,8 @@ def test_spmd_expand_imports_resolve():
 
 def test_backend_options_are_known():
     used = set()
-    for text in PYTHON:
-        for node in ast.walk(ast.parse(text)):
+    for tree in _python_trees():
+        for node in ast.walk(tree):
             if not isinstance(node, ast.Call):
                 continue
             keywords = {k.arg: k.value for k in node.keywords}
@@ -122,7 +130,7 @@ def test_backend_options_are_known():
 def _command_lines(blocks_only: bool = False) -> list[str]:
     """Every ``spmd-expand ...`` command in the README's blocks (and inline code, unless
     ``blocks_only``), without its prompt and comment."""
-    lines = [line for _, text in BLOCKS for line in text.splitlines()] + ([] if blocks_only else INLINE)
+    lines = BLOCK_LINES + ([] if blocks_only else INLINE)
     commands = []
     for line in lines:
         line = line.strip().removeprefix("$ ").split("  #")[0].strip()
@@ -146,6 +154,7 @@ def _alternatives(command: str) -> list[list[str]]:
     return variants
 
 
+@functools.cache
 def _subcommands() -> dict[str, argparse.ArgumentParser]:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return dict(sub.choices)
@@ -202,9 +211,8 @@ def test_named_paths_exist():
 def _make_targets() -> set[str]:
     """The targets of the ``make`` commands (a line of a block or an inline span that runs ``make``,
     after environment assignments such as ``EXPECTTEST_ACCEPT=1``)."""
-    code = [line for _, text in BLOCKS for line in text.splitlines()] + INLINE
     command = re.compile(r"^(?:\w+=\S*\s+)*make (\w+)")
-    return {m.group(1) for line in code if (m := command.match(line.strip()))}
+    return {m.group(1) for line in BLOCK_LINES + INLINE if (m := command.match(line.strip()))}
 
 
 def test_make_targets_exist():
