@@ -52,7 +52,7 @@ def main() -> None:
         for rank, r in enumerate(per_rank)
         if not r["ok"]
     ]
-    rank0 = [per_rank[0] for per_rank in results.values() if "compiled_s" in per_rank[0]]
+    rank0 = [per_rank[0] for per_rank in results.values() if "widening" in per_rank[0]]
     print(
         json.dumps(
             {
@@ -62,6 +62,10 @@ def main() -> None:
                 "cases": len(results),
                 "failing_cases": len({(f["seed"], f["plan"]) for f in failures}),
                 "failures": failures,
+                # Each case's largest roundoff sensitivity as a multiple of the fixed tolerance
+                # (fuzz_cases.run_case): how much the comparison was widened, at its widest element.
+                "widening_median": statistics.median(r["widening"] for r in rank0) if rank0 else None,
+                "widening_max": max(r["widening"] for r in rank0) if rank0 else None,
                 "median_compiled_s_per_case": statistics.median(r["compiled_s"] for r in rank0) if rank0 else None,
                 "median_single_device_s_per_case": statistics.median(r["reference_s"] for r in rank0) if rank0 else None,
                 "wall_s": time.perf_counter() - start,
