@@ -22,7 +22,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import hf_zoo  # noqa: E402
-from hf_zoo import IMAGE, LABELS, VOCAB, Arch, _DECODER, audio_batch, audio_step, image_batch, image_step, masked_lm_batch, seq2seq_batch  # noqa: E402
+from hf_zoo import IMAGE, LABELS, VOCAB, Arch, _DECODER, audio_batch, register_grouped_mm_sharding, audio_step, image_batch, image_step, masked_lm_batch, seq2seq_batch  # noqa: E402
 from spmd_expand.app.launch import run_local  # noqa: E402
 
 
@@ -90,6 +90,18 @@ SWEEP = {
     "mt5": Arch(_plain_config(transformers.MT5Config, vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2, dropout_rate=0.0, decoder_start_token_id=0), transformers.MT5ForConditionalGeneration, seq2seq_batch, attention="none"),
     "poolformer": Arch(_plain_config(transformers.PoolFormerConfig, num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_encoder_blocks=2, patch_sizes=[3, 3], strides=[2, 2], padding=[1, 1], num_labels=LABELS, drop_path_rate=0.0), transformers.PoolFormerForImageClassification, image_batch, image_step, attention="none"),
     "hubert": Arch(_plain_config(transformers.HubertConfig, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2, num_labels=LABELS, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, classifier_proj_size=16), transformers.HubertForSequenceClassification, audio_batch, audio_step, attention="none"),
+    "gemma3_text": Arch(_config(transformers.Gemma3TextConfig, **_DECODER, head_dim=8, sliding_window=4), transformers.Gemma3ForCausalLM),
+    "nemotron": Arch(_config(transformers.NemotronConfig, **_DECODER), transformers.NemotronForCausalLM),
+    "glm": Arch(_config(transformers.GlmConfig, **_DECODER, head_dim=8, pad_token_id=0), transformers.GlmForCausalLM),
+    "helium": Arch(_config(transformers.HeliumConfig, **_DECODER, head_dim=8), transformers.HeliumForCausalLM),
+    "modernbert": Arch(_config(transformers.ModernBertConfig, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=32, pad_token_id=0, global_attn_every_n_layers=1), transformers.ModernBertForMaskedLM, masked_lm_batch),
+    # Mixtures of experts on transformers' grouped_mm experts (their default on CPU), with the user's
+    # register_sharding rule the error for its custom op names (replicated: correct, not expert-parallel).
+    "qwen2_moe": Arch(_config(transformers.Qwen2MoeConfig, **_DECODER, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16), transformers.Qwen2MoeForCausalLM, setup=register_grouped_mm_sharding),
+    "olmoe": Arch(_config(transformers.OlmoeConfig, **_DECODER, num_experts=4, num_experts_per_tok=2), transformers.OlmoeForCausalLM, setup=register_grouped_mm_sharding),
+    # Multi-head latent attention (low-rank q and kv with a decoupled rotary part) and a shared expert.
+    "deepseek_v3": Arch(_config(transformers.DeepseekV3Config, **_DECODER, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=0, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_group=1, topk_group=1), transformers.DeepseekV3ForCausalLM, setup=register_grouped_mm_sharding),
+    "granitemoe": Arch(_config(transformers.GraniteMoeConfig, **_DECODER, num_local_experts=4, num_experts_per_tok=2), transformers.GraniteMoeForCausalLM, setup=register_grouped_mm_sharding),
 }
 # Causal LMs whose config carries a base-model TP plan.
 TP_MODELS = {
