@@ -113,6 +113,13 @@ TP_MODELS = {
     "starcoder2": (transformers.Starcoder2Config, transformers.Starcoder2ForCausalLM, {"residual_dropout": 0.0, "embedding_dropout": 0.0}),
     "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM, {}),
     "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, {}),
+    "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, {"head_dim": 8, "sliding_window": 4}),
+    "nemotron": (transformers.NemotronConfig, transformers.NemotronForCausalLM, {}),
+    # Without its q/k/v biases here: the key bias's gradient is zero up to rounding (softmax ignores a
+    # shift shared by every key) and Adam amplified that rounding past the tolerance (1.1e-5 after 2
+    # steps under TP; everything else agreed). Qwen2 covers q/k/v biases under TP.
+    "glm": (transformers.GlmConfig, transformers.GlmForCausalLM, {"head_dim": 8, "pad_token_id": 0, "attention_bias": False}),
+    "helium": (transformers.HeliumConfig, transformers.HeliumForCausalLM, {"head_dim": 8}),
 }
 
 
