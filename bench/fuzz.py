@@ -63,7 +63,7 @@ def main() -> None:
                 "failing_cases": len({(f["seed"], f["plan"]) for f in failures}),
                 "failures": failures,
                 # Each case's largest roundoff sensitivity as a multiple of the fixed tolerance
-                # (fuzz_cases.run_case): how much the comparison was widened, at its widest element.
+                # (fuzz_cases.compare_parameters): how much the comparison was widened, at its widest element.
                 "widening_median": statistics.median(r["widening"] for r in rank0) if rank0 else None,
                 "widening_max": max(r["widening"] for r in rank0) if rank0 else None,
                 "median_compiled_s_per_case": statistics.median(r["compiled_s"] for r in rank0) if rank0 else None,

@@ -179,16 +179,16 @@ def _plan(case: Case, name: str):
     }[name]()
 
 
-# Relative size of the gradient perturbation that measures each element's sensitivity (see
-# :func:`compare_parameters`): ~8 float32 ulps of the gradient's root-mean-square, several times the roundoff of a
-# sum taken in another order (what W ranks do to the global batch's gradient).
+# Relative size of the gradient perturbation that measures each element's roundoff sensitivity
+# (:func:`compare_parameters`): ~8 float32 ulps of the gradient's root-mean-square, several times the
+# roundoff of a sum taken in another order (what W ranks do to the global batch's gradient).
 PERTURBATION = 1e-6
 RTOL, ATOL = 1e-4, 1e-5
 
 
 def _perturb_gradients(model: nn.Module, seed: int) -> None:
     """Add ``PERTURBATION`` x rms(grad) x N(0, 1) noise (seeded) to every nonzero element of every
-    gradient of ``model``. An exact zero (a dead ReLU's unit) stays zero: it is a sum of zeros in any
+    gradient of ``model``. An exact zero (an inactive unit's) stays zero: it is a sum of zeros in any
     order, so roundoff cannot move it, and a compiled step that moves it is wrong."""
     g = torch.Generator().manual_seed(seed)
 

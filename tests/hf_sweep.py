@@ -22,7 +22,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import hf_zoo  # noqa: E402
-from hf_zoo import IMAGE, LABELS, VOCAB, Arch, _DECODER, audio_batch, register_grouped_mm_sharding, audio_step, image_batch, image_step, masked_lm_batch, seq2seq_batch  # noqa: E402
+from hf_zoo import IMAGE, LABELS, VOCAB, Arch, _DECODER, audio_batch, audio_step, image_batch, image_step, masked_lm_batch, register_grouped_mm_sharding, seq2seq_batch  # noqa: E402
 from spmd_expand.app.launch import run_local  # noqa: E402
 
 

@@ -71,7 +71,7 @@ def test_roundoff_sensitivity_widens_only_ill_conditioned_elements():
     # Seed 7021 (Adam, lr 0.05): blocks.1.fc.weight[0, 8]'s first gradient is 3.6e-8, near Adam's eps,
     # so the last bits of its sum decide its update; 2 ranks summing in another order moved it 6e-5,
     # past the fixed tolerance. Its measured sensitivity allows that, and nothing more: the same
-    # error at any other element of the tensor, or 3x the sensitivity there, is a difference.
+    # error at its neighbours, or 3x the sensitivity there, is a difference.
     reference, perturbed = _single_device(7021, False), _single_device(7021, True)
     key, at = "blocks.1.fc.weight", (0, 8)
     fixed = fuzz_cases.ATOL + fuzz_cases.RTOL * reference[key].abs()
@@ -92,8 +92,9 @@ def test_roundoff_sensitivity_widens_only_ill_conditioned_elements():
 
 
 def test_roundoff_sensitivity_keeps_exact_zeros_exact():
-    # Seed 0 (Adam, lr 0.05) has units whose gradient is exactly 0 (dead ReLUs): 0 in any summation
-    # order, so no widening there; noise added to them would read as sensitivity of ~lr (4,000x the
-    # fixed tolerance) and hide a compiled step that moved them.
+    # Seed 0 (Adam, lr 0.05) has gradients that are exactly 0 (blocks.2.fc: 18 of 36 weights, 3 of 6
+    # biases, inactive units): 0 in any summation order, so no widening there; noise added to them
+    # would read as a sensitivity of ~lr (4,000x the fixed tolerance) and hide a compiled step that
+    # moved them.
     reference, perturbed = _single_device(0, False), _single_device(0, True)
     assert fuzz_cases.compare_parameters(reference, reference, perturbed) == (None, pytest.approx(0.0, abs=1.0))
