@@ -66,6 +66,11 @@
   (registered with DTensor's ``register_sharding``, so DTensor itself places them); reflection and
   replication padding and their backward ops likewise, split on any dim before the padded ones.
 
+* transformers' ``grouped_mm_fallback`` and its backward (the grouped-mm experts of its mixtures of
+  experts, an opaque custom op; found by name, since the op exists only once transformers is
+  imported): on routed token rows split over data-parallel ranks, each rank multiplies its own rows
+  with the expert offsets shifted to them (:func:`grouped_mm_rule`).
+
 * Random ops (every op tagged ``nondeterministic_seeded`` that draws): DTensor's own strategies for
   them let each rank draw its shard from its own generator, which gives every data-parallel rank the
   same "first rows" of randomness. Here the output takes the placement its inputs suggest and is
@@ -94,7 +99,7 @@ from . import loss_parallel
 from .dsymint import DSymInt
 from .errors import UnsupportedOpError, node_error, user_source_line
 from .ops import GRADIENT, LAYOUT, SEQUENCE_FIRST, UNSHARD
-from .spec import AS_PRODUCED, NodeSharding, replicate, spec_with_meta, tensor_spec
+from .spec import AS_PRODUCED, NodeSharding, local_offset, local_shape, replicate, spec_with_meta, tensor_meta, tensor_spec
 
 __all__ = ["lookup", "SIZE_ARG", "NCHW_SCALAR_ARGS"]
 
@@ -581,6 +586,79 @@ _RULES.update({aten._assert_async.default: assert_rule, aten._assert_async.msg: 
 _RULES.update({op: sharded_size_rule for op in NEW_FACTORY_OPS | {aten.expand.default, aten.repeat.default}})
 
 
+
+def _named_tensor_args(node: fx.Node, names: tuple[str, ...]) -> Optional[list[tuple[str, fx.Node]]]:
+    """(schema name, node) of each tensor leaf of ``node``'s args and kwargs, in pytree leaf order;
+    None if an argument is not a node."""
+    named = list(zip(names, node.args)) + list(node.kwargs.items())
+    if len(named) != len(names) or not all(isinstance(a, fx.Node) for _, a in named):
+        return None
+    return named
+
+
+def grouped_mm_rule(node: fx.Node, prop) -> Optional[NodeSharding]:
+    """transformers' ``grouped_mm_fallback(input, weight, offs)`` and its backward, on rows split
+    over data-parallel ranks.
+
+    ``input`` (S, K) holds the routed token rows sorted by expert, ``weight`` (E, K, N) one matrix per
+    expert and ``offs`` (E,) the cumulative row count per expert, so rows ``offs[e-1]:offs[e]`` are
+    multiplied by ``weight[e]``. Where ``input`` is split on rows (``Shard(0)``, as the experts'
+    sort-and-gather leaves it under DDP/FSDP) and ``weight`` is replicated, each rank multiplies its
+    own rows: its global rows ``start:start + rows`` take the offsets ``clamp(offs - start, 0, rows)``.
+    The output is split like ``input``; in the backward, ``grad_input`` too, and ``grad_weight`` is
+    partial (a sum over the ranks' rows) where rows are split. ``offs`` is read replicated. Any other
+    placement defers to DTensor's rule (``register_sharding``; the error names it if there is none).
+    """
+    backward = "backward" in str(node.target)
+    names = ("input", "weight", "offs", "grad_output") if backward else ("input", "weight", "offs")
+    named = _named_tensor_args(node, names)
+    if named is None:
+        return None
+    args = dict(named)
+    rows_spec, weight_spec = prop.output_of(args["input"]), prop.output_of(args["weight"])
+    split = [i for i, p in enumerate(rows_spec.placements) if p == Shard(0)]
+    if not split or any(not (p == Shard(0) or p.is_replicate()) for p in rows_spec.placements):
+        return None
+    if not all(p.is_replicate() for p in weight_spec.placements):
+        return None
+    mesh = prop.mesh
+    offs_spec = prop.output_of(args["offs"])
+    wanted = {
+        "input": rows_spec,
+        "weight": weight_spec,
+        "offs": spec_with_meta(mesh, replicate(mesh), offs_spec.tensor_meta),
+    }
+    if backward:
+        grad_spec = prop.output_of(args["grad_output"])
+        wanted["grad_output"] = spec_with_meta(mesh, rows_spec.placements, grad_spec.tensor_meta)
+    op = node.target
+    # This rank's rows (ints, computed here: DTensor computes them with tensor ops, which the local
+    # op's trace would record).
+    start, rows = local_offset(rows_spec)[0], local_shape(rows_spec)[0]
+
+    def local(*tensors: torch.Tensor) -> Any:
+        values = dict(zip((name for name, _ in named), tensors))
+        values["offs"] = (values["offs"] - start).clamp(0, rows)
+        return op(*(values[name] for name in names))
+
+    vals = node.meta["val"]
+    if backward:
+        partial = tuple(Partial() if i in split else Replicate() for i in range(mesh.ndim))
+        output: Any = (
+            spec_with_meta(mesh, rows_spec.placements, tensor_meta(vals[0])),
+            spec_with_meta(mesh, partial, tensor_meta(vals[1])),
+        )
+    else:
+        output = spec_with_meta(mesh, rows_spec.placements, tensor_meta(vals))
+    return NodeSharding(inputs=tuple(wanted[name] for name, _ in named), output=output, local_op=local)
+
+
+# Rules for ops of other libraries, by name (the op exists only once the library is imported).
+_RULES_BY_NAME: dict[str, Callable] = {
+    "transformers.grouped_mm_fallback.default": grouped_mm_rule,
+    "transformers.grouped_mm_fallback_backward.default": grouped_mm_rule,
+}
+
 # Pooling backward ops DTensor (torch 2.13) places only in part (it has max_pool2d's and
 # adaptive_avg_pool2d's backward, not these). Pooling acts on each sample and channel alone, so
 # grad_output, the input, the indices and grad_input may all be split on the batch dim, or all on
@@ -770,7 +848,7 @@ def _takes_no_tensor(target: Any) -> bool:
 
 def lookup(target: Any) -> Optional[Callable]:
     """The spmd_expand rule for ``target``, or None where DTensor's own rule applies."""
-    rule = _RULES.get(target)
+    rule = _RULES.get(target) or _RULES_BY_NAME.get(str(target))
     if rule is None and rng.is_random(target):
         return random_rule
     if rule is None and _takes_no_tensor(target):

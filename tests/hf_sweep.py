@@ -22,7 +22,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import hf_zoo  # noqa: E402
-from hf_zoo import IMAGE, LABELS, VOCAB, Arch, _DECODER, audio_batch, audio_step, image_batch, image_step, masked_lm_batch, register_grouped_mm_sharding, seq2seq_batch  # noqa: E402
+from hf_zoo import IMAGE, LABELS, VOCAB, Arch, _DECODER, audio_batch, audio_step, image_batch, image_step, masked_lm_batch, seq2seq_batch  # noqa: E402
 from spmd_expand.app.launch import run_local  # noqa: E402
 
 
@@ -95,13 +95,13 @@ SWEEP = {
     "glm": Arch(_config(transformers.GlmConfig, **_DECODER, head_dim=8, pad_token_id=0), transformers.GlmForCausalLM),
     "helium": Arch(_config(transformers.HeliumConfig, **_DECODER, head_dim=8), transformers.HeliumForCausalLM),
     "modernbert": Arch(_config(transformers.ModernBertConfig, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=32, pad_token_id=0, global_attn_every_n_layers=1), transformers.ModernBertForMaskedLM, masked_lm_batch),
-    # Mixtures of experts on transformers' grouped_mm experts (their default on CPU), with the user's
-    # register_sharding rule the error for its custom op names (replicated: correct, not expert-parallel).
-    "qwen2_moe": Arch(_config(transformers.Qwen2MoeConfig, **_DECODER, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16), transformers.Qwen2MoeForCausalLM, setup=register_grouped_mm_sharding),
-    "olmoe": Arch(_config(transformers.OlmoeConfig, **_DECODER, num_experts=4, num_experts_per_tok=2), transformers.OlmoeForCausalLM, setup=register_grouped_mm_sharding),
+    # Mixtures of experts on transformers' grouped_mm experts (their default on CPU): custom ops that
+    # spmd_expand's rule splits on token rows.
+    "qwen2_moe": Arch(_config(transformers.Qwen2MoeConfig, **_DECODER, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16), transformers.Qwen2MoeForCausalLM),
+    "olmoe": Arch(_config(transformers.OlmoeConfig, **_DECODER, num_experts=4, num_experts_per_tok=2), transformers.OlmoeForCausalLM),
     # Multi-head latent attention (low-rank q and kv with a decoupled rotary part) and a shared expert.
-    "deepseek_v3": Arch(_config(transformers.DeepseekV3Config, **_DECODER, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=0, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_group=1, topk_group=1), transformers.DeepseekV3ForCausalLM, setup=register_grouped_mm_sharding),
-    "granitemoe": Arch(_config(transformers.GraniteMoeConfig, **_DECODER, num_local_experts=4, num_experts_per_tok=2), transformers.GraniteMoeForCausalLM, setup=register_grouped_mm_sharding),
+    "deepseek_v3": Arch(_config(transformers.DeepseekV3Config, **_DECODER, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=0, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_group=1, topk_group=1), transformers.DeepseekV3ForCausalLM),
+    "granitemoe": Arch(_config(transformers.GraniteMoeConfig, **_DECODER, num_local_experts=4, num_experts_per_tok=2), transformers.GraniteMoeForCausalLM),
 }
 # Causal LMs whose config carries a base-model TP plan.
 TP_MODELS = {

@@ -139,26 +139,6 @@ def _mixtral(attn, experts="batched_mm"):
     )
 
 
-def register_grouped_mm_sharding() -> None:
-    """Tell DTensor how to place transformers' grouped-mm experts ops (opaque custom ops).
-
-    The user-side fix the error for them names: only replicated inputs are accepted (each rank then
-    runs every expert on all tokens: correct, not expert-parallel).
-    """
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.experimental import register_sharding
-
-    ops = torch.ops.transformers
-
-    @register_sharding(ops.grouped_mm_fallback.default)
-    def forward(input, weight, offs):
-        return [([Replicate()], [Replicate(), Replicate(), Replicate()])]
-
-    @register_sharding(ops.grouped_mm_fallback_backward.default)
-    def backward(input, weight, offs, grad_output):
-        return [([Replicate(), Replicate()], [Replicate(), Replicate(), Replicate(), Replicate()])]
-
-
 def _qwen3(attn):
     # Per-head RMSNorm of queries and keys (q_norm / k_norm) before the rotary embedding.
     return transformers.Qwen3Config(**_DECODER, head_dim=8, attn_implementation=attn)
@@ -310,7 +290,7 @@ ZOO: dict[str, Arch] = {
     "resnet": Arch(_resnet, transformers.ResNetForImageClassification, image_batch, image_step, attention="none"),
     "clip": Arch(_clip, _clip_model, image_text_batch, image_text_step),
     # Variants: eager attention, a padding mask, LoRA with gradient checkpointing, mixtures of
-    # experts (batched, and grouped with the user's sharding rule for its custom ops).
+    # experts (batched, and grouped: transformers' custom ops, split on token rows by spmd_expand's rule).
     "gpt2_eager_attention": Arch(_gpt2, transformers.GPT2LMHeadModel, attention="eager"),
     "llama_padded": Arch(_llama, transformers.LlamaForCausalLM, padded_causal_batch, padded_lm_step),
     "llama_lora_checkpointed": Arch(_llama, _llama_lora_checkpointed),
@@ -318,7 +298,6 @@ ZOO: dict[str, Arch] = {
     "mixtral_grouped_mm": Arch(
         lambda attn: _mixtral(attn, "grouped_mm"),
         transformers.MixtralForCausalLM,
-        setup=register_grouped_mm_sharding,
         expect_ops=("transformers.grouped_mm_fallback.default", "transformers.grouped_mm_fallback_backward.default"),
     ),
 }

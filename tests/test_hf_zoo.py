@@ -31,7 +31,7 @@ RUNS = [(name, plan, "eager") for plan in ("ddp", "fsdp") for name in BOTH_PLANS
     ("llama_padded", "fsdp", "eager"),
     ("llama_lora_checkpointed", "fsdp", "eager"),  # frozen sharded base, trainable adapters
     ("mixtral", "fsdp", "eager"),
-    ("mixtral_grouped_mm", "ddp", "eager"),  # with the user's register_sharding for its custom ops
+    ("mixtral_grouped_mm", "ddp", "eager"),  # transformers' custom grouped_mm ops, split on token rows
     ("gpt2", "ddp", "inductor"),
     # Under the default lowering: T5's attention cache (a cat Inductor decomposes with other strides)
     # and Llama's padded mask (a bool all-gather Inductor's C++ backend could not compile) stopped
@@ -76,20 +76,26 @@ def _moe_step(fake_mesh, experts_implementation):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(hf_zoo.lm_step)
     ids, labels = hf_zoo.causal_batch(torch.Generator().manual_seed(0))
-    return lambda: step(model, optimizer, ids[:1], labels[:1])
+    return step, lambda: step(model, optimizer, ids[:1], labels[:1])
 
 
-def test_moe_grouped_mm_names_the_custom_op_and_the_fix(fake_mesh):
-    """transformers' grouped-mm experts run an opaque custom op that no sharding rule covers."""
-    with pytest.raises(spmd.UnsupportedOpError) as info:
-        _moe_step(fake_mesh, "grouped_mm")()
-    message = str(info.value)
-    assert "transformers.grouped_mm_fallback" in message
-    assert "register_sharding" in message
-    assert "moe.py" in message  # the source line inside transformers that called it
+def test_moe_grouped_mm_runs_on_each_ranks_token_rows(fake_mesh):
+    """transformers' grouped-mm experts run an opaque custom op (no DTensor rule): spmd_expand's rule
+    gives each rank its share of the routed token rows, the expert offsets shifted to them."""
+    step, run = _moe_step(fake_mesh, "grouped_mm")
+    run()
+    rows = {"global": [], "local": []}
+    for where, gm in (("global", step.last.traced.graph_module), ("local", step.last.local_graph)):
+        for n in gm.graph.nodes:
+            if str(n.target).startswith("transformers.grouped_mm_fallback"):
+                rows[where].append(str(n.args[0].meta["val"].shape[0]))
+    # 2 forward and 2 backward ops over (tokens x top-2) rows: 12 x 2 of this rank's one sequence,
+    # of 24 x the global batch size (a symbol) in the global graph.
+    assert rows["local"] == ["24"] * 4, rows
+    assert len(rows["global"]) == 4 and all(r.startswith("24*") for r in rows["global"]), rows
 
 
 def test_moe_eager_experts_are_data_dependent(fake_mesh):
     """The eager experts loop skips experts that got no token: a branch on tensor values."""
     with pytest.raises(spmd.TraceError, match="data-dependent"):
-        _moe_step(fake_mesh, "eager")()
+        _moe_step(fake_mesh, "eager")[1]()
