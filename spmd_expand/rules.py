@@ -606,8 +606,9 @@ def grouped_mm_rule(node: fx.Node, prop) -> Optional[NodeSharding]:
     sort-and-gather leaves it under DDP/FSDP) and ``weight`` is replicated, each rank multiplies its
     own rows: its global rows ``start:start + rows`` take the offsets ``clamp(offs - start, 0, rows)``.
     The output is split like ``input``; in the backward, ``grad_input`` too, and ``grad_weight`` is
-    partial (a sum over the ranks' rows) where rows are split. ``offs`` is read replicated. Any other
-    placement defers to DTensor's rule (``register_sharding``; the error names it if there is none).
+    partial (a sum over the ranks' rows) where rows are split. ``offs`` is read replicated. Rows and
+    weight both replicated run the op as is. Any other placement defers to DTensor's rule
+    (``register_sharding``; the error names it if there is none).
     """
     backward = "backward" in str(node.target)
     names = ("input", "weight", "offs", "grad_output") if backward else ("input", "weight", "offs")
@@ -616,8 +617,9 @@ def grouped_mm_rule(node: fx.Node, prop) -> Optional[NodeSharding]:
         return None
     args = dict(named)
     rows_spec, weight_spec = prop.output_of(args["input"]), prop.output_of(args["weight"])
-    split = [i for i, p in enumerate(rows_spec.placements) if p == Shard(0)]
-    if not split or any(not (p == Shard(0) or p.is_replicate()) for p in rows_spec.placements):
+    # Shard(0) only: a _StridedShard's rows are not one contiguous range of the global rows.
+    split = [i for i, p in enumerate(rows_spec.placements) if type(p) is Shard and p.dim == 0]
+    if any(i not in split and not p.is_replicate() for i, p in enumerate(rows_spec.placements)):
         return None
     if not all(p.is_replicate() for p in weight_spec.placements):
         return None
@@ -650,7 +652,8 @@ def grouped_mm_rule(node: fx.Node, prop) -> Optional[NodeSharding]:
         )
     else:
         output = spec_with_meta(mesh, rows_spec.placements, tensor_meta(vals))
-    return NodeSharding(inputs=tuple(wanted[name] for name, _ in named), output=output, local_op=local)
+    # All replicated: every rank runs the op as is.
+    return NodeSharding(inputs=tuple(wanted[name] for name, _ in named), output=output, local_op=local if split else None)
 
 
 # Rules for ops of other libraries, by name (the op exists only once the library is imported).
