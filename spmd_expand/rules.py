@@ -586,7 +586,6 @@ _RULES.update({aten._assert_async.default: assert_rule, aten._assert_async.msg: 
 _RULES.update({op: sharded_size_rule for op in NEW_FACTORY_OPS | {aten.expand.default, aten.repeat.default}})
 
 
-
 def _named_tensor_args(node: fx.Node, names: tuple[str, ...]) -> Optional[list[tuple[str, fx.Node]]]:
     """(schema name, node) of each tensor leaf of ``node``'s args and kwargs, in pytree leaf order;
     None if an argument is not a node."""
@@ -661,6 +660,7 @@ _RULES_BY_NAME: dict[str, Callable] = {
     "transformers.grouped_mm_fallback.default": grouped_mm_rule,
     "transformers.grouped_mm_fallback_backward.default": grouped_mm_rule,
 }
+
 
 # Pooling backward ops DTensor (torch 2.13) places only in part (it has max_pool2d's and
 # adaptive_avg_pool2d's backward, not these). Pooling acts on each sample and channel alone, so
