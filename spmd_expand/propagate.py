@@ -14,6 +14,7 @@ batch sharded where that is cheaper (:mod:`spmd_expand.cost`). Only where torch 
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, Callable, Optional
 
@@ -72,6 +73,28 @@ def _with_meta(out: Any, val: Any, mesh: DeviceMesh) -> Any:
         vals = val if isinstance(val, (tuple, list)) else [None] * len(out)
         return type(out)(_with_meta(o, v, mesh) if v is not None else None for o, v in zip(out, vals))
     return out
+
+
+def _uneven_over_mesh_dims(spec: Any, mesh: DeviceMesh) -> bool:
+    """Whether ``spec`` splits a tensor dim over several mesh dims (plain ``Shard``) into pieces of
+    unequal size.
+
+    DTensor's reshape rule (torch 2.13, ``_view_ops._analyze_split``) lets the new outer dim of an
+    unflatten stay split where its size divides each mesh dim's size alone, not their product:
+    ``(24, E) -> (2, 12, E)`` split over both dims of a 2x2 mesh, where each rank holds 6 rows of the
+    input but the output's 2 rows split 4 ways leave 1 or 0 rows, so no local view exists (the local
+    graph fails on it).
+    """
+    if not isinstance(spec, DTensorSpec) or spec.tensor_meta is None:
+        return False
+    mesh_dims: dict[int, list[int]] = {}
+    for m, p in enumerate(spec.placements):
+        if type(p) is Shard:
+            mesh_dims.setdefault(p.dim, []).append(m)
+    shape = spec.tensor_meta.shape
+    return any(
+        len(dims) > 1 and int(shape[d]) % math.prod(mesh.size(m) for m in dims) != 0 for d, dims in mesh_dims.items()
+    )
 
 
 class _Propagator:
@@ -178,6 +201,8 @@ class _Propagator:
             sharding = self._gathered_view(node)
             if sharding is None:
                 raise
+        if node.target in _VIEWS and _uneven_over_mesh_dims(sharding.output, self.mesh):
+            sharding = self._regathered_view(node) or self._gathered_view(node) or sharding
         if node.target in _NORM_PARTIAL_SAFE:
             return sharding
         relaid = {}
@@ -211,6 +236,32 @@ class _Propagator:
         try:
             wanted, output = self._dtensor_place(node, self.input_specs(node), relaid)
         except (UnsupportedOpError, PlacementError):
+            return None
+        return NodeSharding(inputs=tuple(wanted), output=output)
+
+    def _regathered_view(self, node: fx.Node) -> Optional[NodeSharding]:
+        """A reshape whose input is split on one dim over several mesh dims, placed on the input
+        gathered over all but the first of them (see :func:`_uneven_over_mesh_dims`); None if DTensor
+        refuses that too or its output is still uneven."""
+        if not node.args or not isinstance(node.args[0], fx.Node):
+            return None
+        src = self.output_of(node.args[0])
+        if not isinstance(src, DTensorSpec):
+            return None
+        placements, seen = list(src.placements), set()
+        for m, p in enumerate(placements):
+            if type(p) is Shard:
+                if p.dim in seen:
+                    placements[m] = Replicate()
+                seen.add(p.dim)
+        if tuple(placements) == tuple(src.placements):
+            return None
+        relaid = {node.args[0]: spec_with_meta(self.mesh, placements, src.tensor_meta)}
+        try:
+            wanted, output = self._dtensor_place(node, self.input_specs(node), relaid)
+        except (UnsupportedOpError, PlacementError):
+            return None
+        if _uneven_over_mesh_dims(output, self.mesh):
             return None
         return NodeSharding(inputs=tuple(wanted), output=output)
 

@@ -601,13 +601,15 @@ def grouped_mm_rule(node: fx.Node, prop) -> Optional[NodeSharding]:
 
     ``input`` (S, K) holds the routed token rows sorted by expert, ``weight`` (E, K, N) one matrix per
     expert and ``offs`` (E,) the cumulative row count per expert, so rows ``offs[e-1]:offs[e]`` are
-    multiplied by ``weight[e]``. Where ``input`` is split on rows (``Shard(0)``, as the experts'
-    sort-and-gather leaves it under DDP/FSDP) and ``weight`` is replicated, each rank multiplies its
-    own rows: its global rows ``start:start + rows`` take the offsets ``clamp(offs - start, 0, rows)``.
-    The output is split like ``input``; in the backward, ``grad_input`` too, and ``grad_weight`` is
-    partial (a sum over the ranks' rows) where rows are split. ``offs`` is read replicated. Rows and
-    weight both replicated run the op as is. Any other placement defers to DTensor's rule
-    (``register_sharding``; the error names it if there is none).
+    multiplied by ``weight[e]``. Over each mesh dim where ``input`` is split on rows (``Shard(0)``, as
+    the experts' sort-and-gather leaves it under DDP/FSDP/HSDP) the rows stay split, and each rank
+    multiplies its own: its global rows ``start:start + rows`` take the offsets
+    ``clamp(offs - start, 0, rows)``. Any other placement of ``input`` (a ``_StridedShard``, whose rows
+    are no contiguous range; ``Shard(1)``, e.g. hidden features split over a TP dim; ``Partial``), and
+    every placement of ``weight`` and ``offs``, is redistributed to ``Replicate()``: always correct,
+    though an expert- or tensor-parallel layout of the experts is gathered, not kept. The output is
+    split like the rows; in the backward, ``grad_input`` too, and ``grad_weight`` is partial (a sum over
+    the ranks' rows) over the split dims. With no split dim every rank runs the op as is.
     """
     backward = "backward" in str(node.target)
     names = ("input", "weight", "offs", "grad_output") if backward else ("input", "weight", "offs")
@@ -616,26 +618,22 @@ def grouped_mm_rule(node: fx.Node, prop) -> Optional[NodeSharding]:
         return None
     args = dict(named)
     rows_spec, weight_spec = prop.output_of(args["input"]), prop.output_of(args["weight"])
-    # Shard(0) only: a _StridedShard's rows are not one contiguous range of the global rows.
-    split = [i for i, p in enumerate(rows_spec.placements) if type(p) is Shard and p.dim == 0]
-    if any(i not in split and not p.is_replicate() for i, p in enumerate(rows_spec.placements)):
-        return None
-    if not all(p.is_replicate() for p in weight_spec.placements):
-        return None
     mesh = prop.mesh
-    offs_spec = prop.output_of(args["offs"])
+    rows_placements = tuple(p if type(p) is Shard and p.dim == 0 else Replicate() for p in rows_spec.placements)
+    split = [i for i, p in enumerate(rows_placements) if not p.is_replicate()]
+    rows_wanted = spec_with_meta(mesh, rows_placements, rows_spec.tensor_meta)
     wanted = {
-        "input": rows_spec,
-        "weight": weight_spec,
-        "offs": spec_with_meta(mesh, replicate(mesh), offs_spec.tensor_meta),
+        "input": rows_wanted,
+        "weight": spec_with_meta(mesh, replicate(mesh), weight_spec.tensor_meta),
+        "offs": spec_with_meta(mesh, replicate(mesh), prop.output_of(args["offs"]).tensor_meta),
     }
     if backward:
         grad_spec = prop.output_of(args["grad_output"])
-        wanted["grad_output"] = spec_with_meta(mesh, rows_spec.placements, grad_spec.tensor_meta)
+        wanted["grad_output"] = spec_with_meta(mesh, rows_placements, grad_spec.tensor_meta)
     op = node.target
     # This rank's rows (ints, computed here: DTensor computes them with tensor ops, which the local
     # op's trace would record).
-    start, rows = local_offset(rows_spec)[0], local_shape(rows_spec)[0]
+    start, rows = local_offset(rows_wanted)[0], local_shape(rows_wanted)[0]
 
     def local(*tensors: torch.Tensor) -> Any:
         values = dict(zip((name for name, _ in named), tensors))
@@ -646,11 +644,11 @@ def grouped_mm_rule(node: fx.Node, prop) -> Optional[NodeSharding]:
     if backward:
         partial = tuple(Partial() if i in split else Replicate() for i in range(mesh.ndim))
         output: Any = (
-            spec_with_meta(mesh, rows_spec.placements, tensor_meta(vals[0])),
+            spec_with_meta(mesh, rows_placements, tensor_meta(vals[0])),
             spec_with_meta(mesh, partial, tensor_meta(vals[1])),
         )
     else:
-        output = spec_with_meta(mesh, rows_spec.placements, tensor_meta(vals))
+        output = spec_with_meta(mesh, rows_placements, tensor_meta(vals))
     # All replicated: every rank runs the op as is.
     return NodeSharding(inputs=tuple(wanted[name] for name, _ in named), output=output, local_op=local if split else None)
 
@@ -849,9 +847,20 @@ def _takes_no_tensor(target: Any) -> bool:
     )
 
 
+def _registered_with_dtensor(target: Any) -> bool:
+    """Whether DTensor's propagator has a rule for ``target`` (e.g. the user's ``register_sharding``)."""
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    return any(target in table for table in (propagator.op_strategy_funcs, propagator.op_single_dim_strategy_funcs, propagator.op_to_rules))
+
+
 def lookup(target: Any) -> Optional[Callable]:
-    """The spmd_expand rule for ``target``, or None where DTensor's own rule applies."""
-    rule = _RULES.get(target) or _RULES_BY_NAME.get(str(target))
+    """The spmd_expand rule for ``target``, or None where DTensor's own rule applies. A rule for
+    another library's op (:data:`_RULES_BY_NAME`) yields to one the user registered with DTensor."""
+    rule = _RULES.get(target)
+    if rule is None and str(target) in _RULES_BY_NAME and not _registered_with_dtensor(target):
+        rule = _RULES_BY_NAME[str(target)]
     if rule is None and rng.is_random(target):
         return random_rule
     if rule is None and _takes_no_tensor(target):

@@ -391,9 +391,6 @@ def make_mesh(plan: str, world: int):
     return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=names)
 
 
-
-
-
 def inductor_kernels(code: str) -> list[str]:
     """Names of the generated kernels that Inductor's ``call`` function launches, in launch order."""
     call = code[code.index("def call("):]

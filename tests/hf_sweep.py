@@ -3,9 +3,12 @@
 Each model is a tiny random config (no downloads) trained 2 AdamW steps compiled on 2 gloo ranks and on
 one device over the global batch, compared like ``test_hf_zoo.py`` (losses, parameters, optimizer
 states; rtol=1e-4, atol=1e-5). Run it after a torch or transformers upgrade; the README lists what it
-last covered. ``--tp`` runs the causal LMs under tensor parallelism from each model's own TP plan.
+last covered. ``--plans hsdp`` runs on 4 ranks (a 2x2 mesh: replicated over one dim, sharded over the
+other; the other plans then run on 4 ranks too). ``--tp`` runs the causal LMs under tensor parallelism
+from each model's own TP plan.
 
     python tests/hf_sweep.py --plans ddp fsdp
+    python tests/hf_sweep.py --plans hsdp --models qwen2_moe deepseek_v3
     python tests/hf_sweep.py --tp --models qwen2 gemma
 """
 
@@ -103,7 +106,12 @@ SWEEP = {
     "deepseek_v3": Arch(_config(transformers.DeepseekV3Config, **_DECODER, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=0, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_group=1, topk_group=1), transformers.DeepseekV3ForCausalLM),
     "granitemoe": Arch(_config(transformers.GraniteMoeConfig, **_DECODER, num_local_experts=4, num_experts_per_tok=2), transformers.GraniteMoeForCausalLM),
 }
-# Causal LMs whose config carries a base-model TP plan.
+# transformers' TP plans shard a mixture of experts' experts with styles no torch style describes
+# (`packed_colwise`, `moe_tp_experts`; spmd_expand refuses them): these overrides keep the experts
+# replicated while attention and dense or shared-expert MLPs run tensor parallel.
+EXPERTS_REPLICATED = {f"model.layers.*.mlp.experts{part}": None for part in ("", ".gate_up_proj", ".down_proj")}
+# Causal LMs whose config carries a base-model TP plan: (config class, model class, config settings,
+# optional plan overrides).
 TP_MODELS = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 8}),
@@ -120,6 +128,19 @@ TP_MODELS = {
     # steps under TP; everything else agreed). Qwen2 covers q/k/v biases under TP.
     "glm": (transformers.GlmConfig, transformers.GlmForCausalLM, {"head_dim": 8, "pad_token_id": 0, "attention_bias": False}),
     "helium": (transformers.HeliumConfig, transformers.HeliumForCausalLM, {"head_dim": 8}),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, {"num_local_experts": 4, "num_experts_per_tok": 2}, EXPERTS_REPLICATED),
+    "qwen2_moe": (
+        transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16}, EXPERTS_REPLICATED,
+    ),
+    # Its plan covers the MLPs only (multi-head latent attention stays replicated): the shared
+    # experts run tensor parallel.
+    "deepseek_v3": (
+        transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM,
+        {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_shared_experts": 1, "first_k_dense_replace": 0,
+         "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8, "n_group": 1, "topk_group": 1},
+        EXPERTS_REPLICATED,
+    ),
 }
 
 
@@ -133,15 +154,16 @@ def _tp_worker(rank: int, world: int, names: list, two_d: bool) -> dict:
     import tp_cases
 
     for name in names:
-        config_class, model_class, extra = TP_MODELS[name]
+        config_class, model_class, extra, *overrides = TP_MODELS[name]
         build = functools.partial(tp_cases.build_causal_lm, config_class, model_class, **extra)
-        tp_cases.TP_CASES[name] = tp_cases.TPCase(build, spmd.TensorParallel.from_huggingface, tp_cases.llama_step, tp_cases.llama_tokens)
+        plan = functools.partial(spmd.TensorParallel.from_huggingface, overrides=overrides[0] if overrides else None)
+        tp_cases.TP_CASES[name] = tp_cases.TPCase(build, plan, tp_cases.llama_step, tp_cases.llama_tokens)
     return tp_cases.run_tp_cases(rank, world, names, two_d, 2)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--plans", nargs="+", default=["ddp", "fsdp"], choices=["ddp", "fsdp"])
+    parser.add_argument("--plans", nargs="+", default=["ddp", "fsdp"], choices=["ddp", "fsdp", "hsdp"])
     parser.add_argument("--models", nargs="+", help="default: every model of the sweep")
     parser.add_argument("--tp", action="store_true", help="tensor parallel from the models' own plans")
     parser.add_argument("--two-d", action="store_true", help="with --tp: FSDP x TP on a 2x2 mesh (4 ranks)")
@@ -157,7 +179,8 @@ def main() -> None:
         from test_parity import check
 
         runs = [((n, plan, "eager"), (n, plan, "eager")) for plan in args.plans for n in (args.models or list(SWEEP))]
-        per_rank = run_local(_zoo_worker, 2, [r for r, _ in runs], timeout_s=1800)
+        world = 4 if "hsdp" in args.plans else 2
+        per_rank = run_local(_zoo_worker, world, [r for r, _ in runs], timeout_s=1800)
     for key, label in runs:
         try:
             check(per_rank, key)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from torch.distributed.device_mesh import init_device_mesh
 
 import hf_zoo
 import spmd_expand as spmd
@@ -69,14 +70,24 @@ def test_hf_world2(zoo, name, plan, lower):
     assert set(hf_zoo.ZOO[name].expect_ops) <= set(ops), ops
 
 
-def _moe_step(fake_mesh, experts_implementation):
+def _moe_step(mesh, experts_implementation, plan=lambda model: spmd.DDP()):
     config = hf_zoo._mixtral("sdpa", experts_implementation)
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(hf_zoo.lm_step)
+    step = spmd.compile(mesh=mesh, plan=plan(model), lower="eager")(hf_zoo.lm_step)
     ids, labels = hf_zoo.causal_batch(torch.Generator().manual_seed(0))
     return step, lambda: step(model, optimizer, ids[:1], labels[:1])
+
+
+def _grouped_mm_rows(step) -> dict:
+    """Row counts of the inputs of every grouped_mm op, in the global and the local graph."""
+    rows = {"global": [], "local": []}
+    for where, gm in (("global", step.last.traced.graph_module), ("local", step.last.local_graph)):
+        for n in gm.graph.nodes:
+            if str(n.target).startswith("transformers.grouped_mm_fallback"):
+                rows[where].append(str(n.args[0].meta["val"].shape[0]))
+    return rows
 
 
 def test_moe_grouped_mm_runs_on_each_ranks_token_rows(fake_mesh):
@@ -84,18 +95,50 @@ def test_moe_grouped_mm_runs_on_each_ranks_token_rows(fake_mesh):
     gives each rank its share of the routed token rows, the expert offsets shifted to them."""
     step, run = _moe_step(fake_mesh, "grouped_mm")
     run()
-    rows = {"global": [], "local": []}
-    for where, gm in (("global", step.last.traced.graph_module), ("local", step.last.local_graph)):
-        for n in gm.graph.nodes:
-            if str(n.target).startswith("transformers.grouped_mm_fallback"):
-                rows[where].append(str(n.args[0].meta["val"].shape[0]))
+    rows = _grouped_mm_rows(step)
     # 2 forward and 2 backward ops over (tokens x top-2) rows: 12 x 2 of this rank's one sequence,
     # of 24 x the global batch size (a symbol) in the global graph.
     assert rows["local"] == ["24"] * 4, rows
     assert len(rows["global"]) == 4 and all(r.startswith("24*") for r in rows["global"]), rows
 
 
+def test_moe_grouped_mm_under_fsdp_and_tensor_parallel(fake_mesh):
+    """FSDP x TP on 2x2, attention from Mixtral's own TP plan, experts replicated (the plan's expert
+    entries overridden), one sequence per data-parallel rank. The token rows reach the experts split
+    over "dp" and with their features split over "tp": the rule gathers the features and keeps the
+    rows split (it refused this before). The weighted sum of the experts' outputs is split over both
+    mesh dims, and its reshape back to (batch, tokens, hidden) would split a batch of 2 four ways:
+    propagation gathers it over "tp" first (the local view failed before)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    experts = {f"model.layers.*.mlp.experts{part}": None for part in ("", ".gate_up_proj", ".down_proj")}
+    plan = lambda model: {"dp": spmd.FSDP(), "tp": spmd.TensorParallel.from_huggingface(model, overrides=experts)}  # noqa: E731
+    step, run = _moe_step(mesh, "grouped_mm", plan)
+    run()
+    assert _grouped_mm_rows(step)["local"] == ["24"] * 4
+
+
 def test_moe_eager_experts_are_data_dependent(fake_mesh):
     """The eager experts loop skips experts that got no token: a branch on tensor values."""
     with pytest.raises(spmd.TraceError, match="data-dependent"):
         _moe_step(fake_mesh, "eager")[1]()
+
+
+def test_moe_grouped_mm_rule_yields_to_a_rule_registered_with_dtensor():
+    """A placement rule the user registers for grouped_mm (``register_sharding``, as for any op)
+    replaces spmd_expand's built-in one."""
+    import transformers.integrations.moe  # noqa: F401 - defines the op
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.experimental import register_sharding
+
+    from spmd_expand import rules
+
+    op = torch.ops.transformers.grouped_mm_fallback.default
+    assert rules.lookup(op) is rules.grouped_mm_rule
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    try:
+        register_sharding(op)(lambda input, weight, offs: [([Replicate()], [Replicate(), Replicate(), Replicate()])])
+        assert rules.lookup(op) is None
+    finally:
+        propagator.op_strategy_funcs.pop(op, None)
+        propagator.op_to_schema_info.pop(op, None)
+    assert rules.lookup(op) is rules.grouped_mm_rule
