@@ -98,7 +98,9 @@ def test_strings_without_torch_equivalent_are_refused_by_name():
         spmd.TensorParallel.from_huggingface(model)
     msg = str(info.value)
     assert "'backbone.layers.*.proj': 'packed_colwise'" in msg and "'backbone.layers.*.out': 'moe_tp_experts'" in msg
-    assert "'head'" not in msg and "overrides=" in msg
+    assert "'head'" not in msg
+    # The fix can be pasted: every refused entry left replicated.
+    assert "overrides={'backbone.layers.*.proj': None, 'backbone.layers.*.out': None} (the experts" in msg
 
 
 def test_parameter_entries_are_refused():
