@@ -104,6 +104,7 @@ SWEEP = {
     "olmoe": Arch(_config(transformers.OlmoeConfig, **_DECODER, num_experts=4, num_experts_per_tok=2), transformers.OlmoeForCausalLM),
     # Multi-head latent attention (low-rank q and kv with a decoupled rotary part) and a shared expert.
     "deepseek_v3": Arch(_config(transformers.DeepseekV3Config, **_DECODER, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=0, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_group=1, topk_group=1), transformers.DeepseekV3ForCausalLM),
+    "qwen3_moe": Arch(_config(transformers.Qwen3MoeConfig, **_DECODER, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16), transformers.Qwen3MoeForCausalLM),
     "granitemoe": Arch(_config(transformers.GraniteMoeConfig, **_DECODER, num_local_experts=4, num_experts_per_tok=2), transformers.GraniteMoeForCausalLM),
 }
 # transformers' TP plans shard a mixture of experts' experts with styles no torch style describes
@@ -140,6 +141,11 @@ TP_MODELS = {
         {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_shared_experts": 1, "first_k_dense_replace": 0,
          "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8, "n_group": 1, "topk_group": 1},
         EXPERTS_REPLICATED,
+    ),
+    "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM, {"num_experts": 4, "num_experts_per_tok": 2}, EXPERTS_REPLICATED),
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 8}, EXPERTS_REPLICATED,
     ),
 }
 
