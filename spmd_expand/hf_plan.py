@@ -119,29 +119,27 @@ def huggingface_tp_plan(model: nn.Module, overrides: Optional[Mapping[str, Union
     modules = [name for name, _ in model.named_modules()]
     params = [name for name, _ in model.named_parameters()]
     plan: dict[str, object] = {}
-    refused, unmapped = [], []
+    refused: dict[str, str] = {}  # glob -> why
     for glob, style in merged.items():
         if style is None:
             continue
         if not any(fqn_matches(glob, m) for m in modules):
             if any(fqn_matches(glob, p) for p in params):
-                refused.append(f"{glob!r}: {style!r} (names a parameter; torch's styles apply to modules)")
-                unmapped.append(glob)
+                refused[glob] = f"{glob!r}: {style!r} (names a parameter; torch's styles apply to modules)"
             continue
         if not isinstance(style, str):
             plan[glob] = style
         elif style not in HF_STYLES:
-            refused.append(f"{glob!r}: {style!r}")
-            unmapped.append(glob)
+            refused[glob] = f"{glob!r}: {style!r}"
         elif HF_STYLES[style] is not None:
             plan[glob] = HF_STYLES[style]()
     if refused:
         raise PlanError(
             f"{type(model).__name__}'s tensor-parallel plan uses styles with no torch equivalent: "
-            f"{', '.join(refused)}; spmd_expand maps {', '.join(sorted(HF_STYLES))}. Pass overrides= "
+            f"{', '.join(refused.values())}; spmd_expand maps {', '.join(sorted(HF_STYLES))}. Pass overrides= "
             f"with a torch style (or None to leave the module replicated) for these entries"
-            + f", e.g. overrides={ {glob: None for glob in unmapped} }"
+            + f", e.g. overrides={ dict.fromkeys(refused) }"
             + (" (the experts of a mixture of experts stay replicated, attention and the other MLPs are still "
-               "sharded)" if any("moe" in str(merged[glob]) for glob in unmapped) else "")
+               "sharded)" if any("moe" in str(merged[glob]) for glob in refused) else "")
         )
     return plan

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema
 from torch.distributed.tensor._ops._math_ops import _NormPartial
@@ -226,42 +227,41 @@ class _Propagator:
         ``need_weights=True`` path does to its output projection (split there on the cost model's
         choice). A gathered input has every layout a view can ask for: an all-gather, not an error.
         """
-        if node.target not in _VIEWS or not node.args or not isinstance(node.args[0], fx.Node):
-            return None
-        src = self.output_of(node.args[0])
-        if not isinstance(src, DTensorSpec) or not any(isinstance(p, Shard) for p in src.placements):
-            return None
-        gathered = [Replicate() if isinstance(p, Shard) else p for p in src.placements]
-        relaid = {node.args[0]: spec_with_meta(self.mesh, gathered, src.tensor_meta)}
-        try:
-            wanted, output = self._dtensor_place(node, self.input_specs(node), relaid)
-        except (UnsupportedOpError, PlacementError):
-            return None
-        return NodeSharding(inputs=tuple(wanted), output=output)
+        return self._view_on_relaid_input(node, lambda placements: [Replicate() if isinstance(p, Shard) else p for p in placements])
 
     def _regathered_view(self, node: fx.Node) -> Optional[NodeSharding]:
         """A reshape whose input is split on one dim over several mesh dims, placed on the input
         gathered over all but the first of them (see :func:`_uneven_over_mesh_dims`); None if DTensor
         refuses that too or its output is still uneven."""
-        if not node.args or not isinstance(node.args[0], fx.Node):
+
+        def first_shard_per_dim(placements: Sequence[Placement]) -> list[Placement]:
+            relaid, seen = list(placements), set()
+            for m, p in enumerate(relaid):
+                if type(p) is Shard:
+                    if p.dim in seen:
+                        relaid[m] = Replicate()
+                    seen.add(p.dim)
+            return relaid
+
+        sharding = self._view_on_relaid_input(node, first_shard_per_dim)
+        return None if sharding is None or _uneven_over_mesh_dims(sharding.output, self.mesh) else sharding
+
+    def _view_on_relaid_input(self, node: fx.Node, relay: Callable[[Sequence[Placement]], list[Placement]]) -> Optional[NodeSharding]:
+        """DTensor's placement for reshape ``node`` with its input's placements replaced by
+        ``relay(placements)``; None for other ops, where ``relay`` changes nothing, or where DTensor
+        refuses."""
+        if node.target not in _VIEWS or not node.args or not isinstance(node.args[0], fx.Node):
             return None
         src = self.output_of(node.args[0])
         if not isinstance(src, DTensorSpec):
             return None
-        placements, seen = list(src.placements), set()
-        for m, p in enumerate(placements):
-            if type(p) is Shard:
-                if p.dim in seen:
-                    placements[m] = Replicate()
-                seen.add(p.dim)
+        placements = relay(src.placements)
         if tuple(placements) == tuple(src.placements):
             return None
         relaid = {node.args[0]: spec_with_meta(self.mesh, placements, src.tensor_meta)}
         try:
             wanted, output = self._dtensor_place(node, self.input_specs(node), relaid)
         except (UnsupportedOpError, PlacementError):
-            return None
-        if _uneven_over_mesh_dims(output, self.mesh):
             return None
         return NodeSharding(inputs=tuple(wanted), output=output)
 

@@ -535,6 +535,14 @@ def _register_dtensor_strategies() -> None:
             _pointwise_ops._register_single_dim_pointwise(op, _pointwise_ops._ALL_PARTIAL_BINARY_PRESERVING_RULES)
 
 
+def _registered_with_dtensor(target: Any) -> bool:
+    """Whether DTensor's propagator has a rule for ``target`` (e.g. the user's ``register_sharding``)."""
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    return any(target in table for table in (propagator.op_strategy_funcs, propagator.op_single_dim_strategy_funcs, propagator.op_to_rules))
+
+
 def _register_functional_twins() -> None:
     """Give functional ops the DTensor strategy of their in-place twin where they have none."""
     from torch.distributed.tensor import DTensor
@@ -544,7 +552,6 @@ def _register_functional_twins() -> None:
         (prop.op_strategy_funcs, prop.op_to_schema_info, prop.register_op_strategy),
         (prop.op_single_dim_strategy_funcs, prop.op_to_schema_info_for_single_dim_strategy, prop.register_single_dim_op_strategy),
     )
-    known = lambda op: any(op in t[0] for t in tables) or op in prop.op_to_rules  # noqa: E731
     for strategies, infos, register in tables:
         for inplace in list(strategies):
             name = inplace._schema.name.split("::")[-1]
@@ -552,7 +559,7 @@ def _register_functional_twins() -> None:
                 continue
             packet = getattr(aten, name[:-1], None)
             functional = getattr(packet, inplace._overloadname, None) if packet is not None else None
-            if functional is not None and not known(functional):
+            if functional is not None and not _registered_with_dtensor(functional):
                 register(functional, strategies[inplace], infos.get(inplace))
 
 
@@ -845,14 +852,6 @@ def _takes_no_tensor(target: Any) -> bool:
         and bool(schema.returns)
         and all("Tensor" in str(r.type) for r in schema.returns)
     )
-
-
-def _registered_with_dtensor(target: Any) -> bool:
-    """Whether DTensor's propagator has a rule for ``target`` (e.g. the user's ``register_sharding``)."""
-    from torch.distributed.tensor import DTensor
-
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    return any(target in table for table in (propagator.op_strategy_funcs, propagator.op_single_dim_strategy_funcs, propagator.op_to_rules))
 
 
 def lookup(target: Any) -> Optional[Callable]:

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import hf_zoo  # noqa: E402
-from hf_zoo import IMAGE, LABELS, VOCAB, Arch, _DECODER, audio_batch, audio_step, image_batch, image_step, masked_lm_batch, seq2seq_batch  # noqa: E402
+from hf_zoo import EXPERTS_REPLICATED, IMAGE, LABELS, VOCAB, Arch, _DECODER, audio_batch, audio_step, image_batch, image_step, masked_lm_batch, seq2seq_batch  # noqa: E402
 from spmd_expand.app.launch import run_local  # noqa: E402
 
 
@@ -107,10 +107,6 @@ SWEEP = {
     "qwen3_moe": Arch(_config(transformers.Qwen3MoeConfig, **_DECODER, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16), transformers.Qwen3MoeForCausalLM),
     "granitemoe": Arch(_config(transformers.GraniteMoeConfig, **_DECODER, num_local_experts=4, num_experts_per_tok=2), transformers.GraniteMoeForCausalLM),
 }
-# transformers' TP plans shard a mixture of experts' experts with styles no torch style describes
-# (`packed_colwise`, `moe_tp_experts`; spmd_expand refuses them): these overrides keep the experts
-# replicated while attention and dense or shared-expert MLPs run tensor parallel.
-EXPERTS_REPLICATED = {f"model.layers.*.mlp.experts{part}": None for part in ("", ".gate_up_proj", ".down_proj")}
 # Causal LMs whose config carries a base-model TP plan: (config class, model class, config settings,
 # optional plan overrides).
 TP_MODELS = {

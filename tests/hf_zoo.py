@@ -303,6 +303,12 @@ ZOO: dict[str, Arch] = {
 }
 
 
+# transformers' TP plans shard a mixture of experts' experts with styles no torch style describes
+# (`packed_colwise`, `moe_tp_experts`; spmd_expand refuses them): these overrides of
+# ``TensorParallel.from_huggingface`` keep the experts replicated while attention and dense or
+# shared-expert MLPs run tensor parallel.
+EXPERTS_REPLICATED = {f"model.layers.*.mlp.experts{part}": None for part in ("", ".gate_up_proj", ".down_proj")}
+
 def run_zoo(rank: int, world: int, runs: list[tuple[str, str, str]], steps: int = 3) -> dict:
     """Worker: ``cases.run_case`` for each (zoo name, plan name, lowering); errors are returned per run."""
     results = {}

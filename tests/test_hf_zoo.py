@@ -111,8 +111,7 @@ def test_moe_grouped_mm_under_fsdp_and_tensor_parallel(fake_mesh):
     mesh dims, and its reshape back to (batch, tokens, hidden) would split a batch of 2 four ways:
     propagation gathers it over "tp" first (the local view failed before)."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    experts = {f"model.layers.*.mlp.experts{part}": None for part in ("", ".gate_up_proj", ".down_proj")}
-    plan = lambda model: {"dp": spmd.FSDP(), "tp": spmd.TensorParallel.from_huggingface(model, overrides=experts)}  # noqa: E731
+    plan = lambda model: {"dp": spmd.FSDP(), "tp": spmd.TensorParallel.from_huggingface(model, overrides=hf_zoo.EXPERTS_REPLICATED)}  # noqa: E731
     step, run = _moe_step(mesh, "grouped_mm", plan)
     run()
     assert _grouped_mm_rows(step)["local"] == ["24"] * 4
