@@ -13,8 +13,10 @@ import pytest
 
 from spmd_expand.app.launch import run_local
 
-SEEDS = list(range(10))  # the first 10 draw every block kind and optimizer
-SEEDS_2D = list(range(4))  # 4 ranks on a 2-core machine: fewer
+# Four seeds that together draw every block kind and every optimizer (test_cases_cover_the_generator);
+# `python bench/fuzz.py --seeds 1000` runs the rest. Each seed costs ~3 compilations a plan.
+SEEDS = [0, 1, 8, 9]
+SEEDS_2D = [0, 9]  # 4 ranks on a 2-core machine: fewer
 REGRESSIONS: dict[int, str] = {
     13: "generator: a batch-centering block made a bias gradient 0 +- 3e-8, amplified to +-lr by Adam (now added)",
     7021: "harness: Adam lr 0.05 amplified a 3.6e-8 gradient's roundoff (slope 2.4e5) past the fixed tolerance (now each element's measured sensitivity is allowed)",
