@@ -57,7 +57,7 @@ def check_eval(per_rank: list[dict]) -> None:
         _close(r["eval_buffers"], r["buffers"], "buffer after eval", 0.0, 0.0)
 
 
-def test_resnet18_ddp_under_inductor_matches_single_device(results):
+def test_resnet10_ddp_under_inductor_matches_single_device(results):
     per_rank = _ranks(results, "resnet_ddp_inductor")
     check_training(per_rank)
     check_eval(per_rank)
