@@ -80,7 +80,7 @@ class ResNet18(nn.Module):
 
 def resnet10() -> ResNet18:
     """ResNet-18's layout with one BasicBlock a stage: every kind of BatchNorm use (stem, block,
-    downsample shortcut) at about half the compile time."""
+    downsample shortcut) with 12 BatchNorms instead of 20: fewer kernels for Inductor to compile."""
     return ResNet18(blocks_per_stage=1)
 
 

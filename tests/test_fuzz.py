@@ -14,7 +14,7 @@ import pytest
 from spmd_expand.app.launch import run_local
 
 # Four seeds that together draw every block kind and every optimizer (test_cases_cover_the_generator);
-# `python bench/fuzz.py --seeds 1000` runs the rest. Each seed costs ~3 compilations a plan.
+# `python bench/fuzz.py --seeds 1000` runs the rest.
 SEEDS = [0, 1, 8, 9]
 SEEDS_2D = [0, 9]  # 4 ranks on a 2-core machine: fewer
 REGRESSIONS: dict[int, str] = {

@@ -41,7 +41,8 @@ FSDP_W2 = [
     "gpt_adamw",
 ]
 FSDP_KEEP_W2 = ["mlp_sgd_momentum", "mlp_adamw_fused", "mlp_uneven", "gpt_adamw"]
-# mlp_uneven is mlp_adamw_foreach's model and optimizer with dims no world size divides: it covers both.
+# mlp_uneven is mlp_adamw_foreach's model class, optimizer and step with 33 hidden and 5 output rows,
+# which neither 2 nor 4 divides: it covers that case too.
 FSDP_W4 = ["mlp_uneven", "mlp_microbatch"]
 FSDP_INDUCTOR_W2 = ["mlp_uneven", "gpt_adamw", "mlp_adamw_fused", "mlp_adagrad_fused"]
 
