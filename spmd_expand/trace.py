@@ -1,13 +1,17 @@
 """Trace a whole train step (forward, backward, optimizer) into one functional global graph.
 
-The step is traced twice, both times with ``make_fx`` on fake tensors that have the *global* shapes:
+The step is traced with ``make_fx`` on fake tensors that have the *global* shapes, then made functional:
 
-1. with autograd, so ``loss.backward()`` records the backward ops and ``optimizer.step()`` records the
-   update (in-place ops included). Batch dims are symbolic, so sizes the step reads from its batch
-   appear as ``sym_size`` nodes (DSymInt sources for propagation);
-2. through ``torch.func.functionalize`` over an fx Interpreter of graph 1, which removes mutation:
-   updated parameters, buffers, optimizer states and gradients become ``aten.copy_`` into their
-   placeholders at the end of the graph (what AOTAutograd does for input mutations).
+1. graph 1, traced with autograd, so ``loss.backward()`` records the backward ops and
+   ``optimizer.step()`` records the update (in-place ops included). Batch dims are symbolic, so sizes
+   the step reads from its batch appear as ``sym_size`` nodes (DSymInt sources for propagation);
+2. mutation removed: updated parameters, buffers, optimizer states and gradients become
+   ``aten.copy_`` into their placeholders at the end of the graph (what AOTAutograd does for input
+   mutations). Where every write is to a whole tensor (the common case: optimizer updates, gradient
+   accumulation, ``relu_``), :func:`spmd_expand.functionalize.functionalize_graph` does it in one walk
+   over graph 1; otherwise (writes through views) graph 1 is traced again through
+   ``torch.func.functionalize`` over an fx Interpreter (:func:`_functionalize_by_tracing`). Both
+   apply the same decompositions and rewrites (:func:`_decompositions`).
 
 The graph's placeholders follow :attr:`TracedStep.inputs` (tensors), then
 :attr:`TracedStep.hyperparameters` (Python floats: learning rates, betas, weight decay, ... of the
@@ -65,6 +69,7 @@ from .python_values import (
 )
 from .errors import TraceError, node_error, user_source_line
 from .forms import equal_forms_patched, equal_valued_form
+from .functionalize import functionalize_graph
 from .loss_parallel import MarkLossParallel
 from .plans import MixedPrecision, ParamCast
 
@@ -280,7 +285,7 @@ def _nll_loss_mean_as_sum(forward: torch._ops.OpOverload) -> Callable:
     return mean_as_sum
 
 
-# Applied while functionalizing (pass 2): rewrites that keep single-device values and give the
+# Applied while removing mutation (step 2 above): rewrites that keep single-device values and give the
 # sharded program the global semantics.
 _REWRITES = {op: _nll_loss_mean_as_sum(op) for op in (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)}
 # Ops with a decomposition but no DTensor strategy that stay as they are: host reads and constants
@@ -332,6 +337,26 @@ class _FunctionalizingInterpreter(fx.Interpreter):
                     dst.copy_(src)
             return None
         return super().call_function(target, args, kwargs)
+
+
+def _functionalize_by_tracing(autograd_graph: fx.GraphModule, fakes: list, sym_values: list) -> fx.GraphModule:
+    """Pass 2 as a trace: graph 1 run again under ``torch.func.functionalize`` and ``make_fx``, which
+    also removes writes through views (view replay) that :func:`functionalize_graph` leaves to it."""
+    detached = [t.detach() for t in fakes]
+
+    def replay(*flat: Any) -> list[torch.Tensor]:
+        with torch.no_grad(), fx_traceback.preserve_node_meta():
+            return _FunctionalizingInterpreter(autograd_graph).run(*flat)
+
+    return make_fx(
+        torch.func.functionalize(replay, remove="mutations"),
+        decomposition_table=_decompositions(),
+        tracing_mode="symbolic",
+    )(*detached, *sym_values)
+
+
+def _is_profiler_node(node: fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "namespace", None) == "profiler"
 
 
 BACKWARD_KEY = "spmd_backward"
@@ -995,17 +1020,9 @@ def trace_step(
             _refuse_writes_to_parameter_reads(autograd_graph)
             _refuse_reads_of_assigned_data(autograd_graph)
             _refuse_storage_swaps(autograd_graph)
-            detached = [t.detach() for t in fakes]
-
-            def replay(*flat: Any) -> list[torch.Tensor]:
-                with torch.no_grad(), fx_traceback.preserve_node_meta():
-                    return _FunctionalizingInterpreter(autograd_graph).run(*flat)
-
-            functional = make_fx(
-                torch.func.functionalize(replay, remove="mutations"),
-                decomposition_table=_decompositions(),
-                tracing_mode="symbolic",
-            )(*detached, *sym_values)
+            functional = functionalize_graph(autograd_graph, _decompositions(), skip=_is_profiler_node)
+            if functional is None:  # a write through a view, or an op without a functional twin
+                functional = _functionalize_by_tracing(autograd_graph, fakes, sym_values)
         _refuse_host_reads(functional)
         _settle_state_changes(state.changes())
     except TraceError:
