@@ -12,17 +12,31 @@ removing the mutation needs no view replay, and :func:`functionalize_graph` does
 functionalization does for such graphs without tracing again:
 
 - an in-place op becomes its functional twin (``add_.Tensor`` -> ``add.Tensor``, ``copy_`` ->
-  ``copy``, ``_foreach_mul_.List`` -> ``_foreach_mul.List``), and later reads of the written tensor
-  (through the tensor, the op's result, or a ``detach``/``alias`` of it: aliases with the tensor's
-  size, strides and offset) read the twin's result;
+  ``copy``, ``_foreach_mul_.List`` -> ``_foreach_mul.List``; batch norm's running-statistics update
+  -> ``_native_batch_norm_legit_functional``), cast back to the written tensor's dtype where the
+  twin promotes (``_to_copy``), and later reads of the written tensor (through the tensor, the op's
+  result, or a ``detach``/``alias`` of it: aliases with the tensor's size, strides and offset) read
+  that result;
 - each written placeholder gets ``aten.copy_(placeholder, last value)`` before the output, in
   placeholder order;
 - ops in ``decompositions`` are decomposed as ``make_fx`` would (a small trace of that one op).
 
 Anything else returns None, and the caller functionalizes by tracing: a write through a view other
-than ``detach``/``alias`` (``x[0].fill_(1)``), a view read after its base was written, an op that
-writes an argument other than its first (``native_batch_norm``'s running statistics, the fused
-optimizer kernels), an in-place op without a functional twin of the same signature, a higher-order op.
+than ``detach``/``alias`` (``x[:, 0] = v``, ``x[0].fill_(1)``), a view read after its base was
+written, an op that writes an argument other than its first (the fused optimizer kernels), an
+in-place op without a functional twin of the same signature (``uniform_``), a higher-order op.
+
+Where the result differs from torch's re-trace (checked node by node in tests/test_functionalize.py
+and, over the multi-rank test modules, by comparing both graphs of every compilation):
+
+- a ``detach`` of a written tensor read after the write is not made again (torch regenerates the
+  view; the walk reads the written value itself, which is the same tensor);
+- an op torch's C++ functionalization decomposes through its own kernel before ``make_fx`` sees it
+  (``binary_cross_entropy_with_logits``) is decomposed by ``decompositions`` here, as
+  ``make_fx`` would without functionalization: other ops, the same function;
+- where the shape env specialized a symbolic size while graph 1 was traced (a model that guards
+  on the batch size), torch's re-trace writes the constant into every op; the walk keeps graph 1's
+  sizes (symbolic before the guard, constant after). Both are sizes of the same tensors.
 """
 
 from __future__ import annotations
