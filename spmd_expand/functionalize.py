@@ -155,7 +155,8 @@ def functionalize_graph(
 
     Returns:
         A new graph module (``gm`` is not changed) whose nodes keep the metas of the nodes they come
-        from; the functional twins and decomposed ops get fake values of their own.
+        from; the functional twins and decomposed ops get fake values of their own. Dead nodes are
+        left for the caller's dead-code elimination.
     """
     try:
         return _Walk(gm, decompositions, skip).run()
@@ -407,6 +408,4 @@ class _Walk:
         out.meta = dict(output.meta)
         gm = fx.GraphModule(self.gm, self.graph)
         gm.meta.update(self.gm.meta)
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
         return gm

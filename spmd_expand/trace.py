@@ -1577,5 +1577,5 @@ def _hyperparameter_guards(
 def _drop_profiler_nodes(gm: fx.GraphModule) -> None:
     """Remove the optimizer's record_function markers, which carry no data."""
     for node in reversed(list(gm.graph.nodes)):
-        if node.op == "call_function" and getattr(node.target, "namespace", None) == "profiler":
+        if _is_profiler_node(node):
             gm.graph.erase_node(node)  # exit markers come after (and are erased before) their enter

@@ -25,6 +25,8 @@ import spmd_expand as spmd
 import spmd_expand.trace as trace_module
 from spmd_expand.functionalize import functional_twin, functionalize_graph
 
+from loops import classification_step
+
 aten = torch.ops.aten
 
 
@@ -190,14 +192,6 @@ class _ConvBN(nn.Module):
         return self.head(F.relu_(self.bn(self.conv(x))).mean((2, 3)))
 
 
-def _step(model, optimizer, x, y):
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
-
-
 _CASES = {
     "mlp_adam": (lambda: nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)), lambda p: torch.optim.Adam(p, lr=0.1), (8, 8)),
     "mlp_sgd_momentum": (
@@ -235,7 +229,7 @@ def test_train_steps_take_the_walk_and_match_torchs_functionalization(case, plan
     torch.manual_seed(0)
     model = build()
     optimizer = make_optimizer(model.parameters())
-    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP() if plan == "ddp" else spmd.FSDP(), lower="eager")(_step)
+    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP() if plan == "ddp" else spmd.FSDP(), lower="eager")(classification_step)
     x, y = torch.randn(x_shape), torch.randint(0, 4, (8,))
     step(model, optimizer, x, y)
     step(model, optimizer, x, y)  # SGD's momentum buffers exist now: another graph
