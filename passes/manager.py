@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _make_graph_module
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from torch.fx.passes.infra.pass_manager import PassManager, this_before_that_pass_constraint
 
@@ -102,7 +103,7 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
     # graph_copy drops the output node's meta; nothing reads it.
-    copy = fx.GraphModule(gm, graph)
+    copy = _make_graph_module(gm, graph)  # lazy (no Python code generated) under _use_lazy_graph_module
     copy.meta.update(gm.meta)
     return copy
 

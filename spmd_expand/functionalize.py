@@ -47,6 +47,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _make_graph_module
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -406,6 +407,6 @@ class _Walk:
                 copy.meta["val"] = p.meta.get("val")
         out = self.graph.output(result)
         out.meta = dict(output.meta)
-        gm = fx.GraphModule(self.gm, self.graph)
+        gm = _make_graph_module(self.gm, self.graph)
         gm.meta.update(self.gm.meta)
         return gm

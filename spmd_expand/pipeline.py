@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor
@@ -196,7 +197,13 @@ def compile_step(*args: Any, lower: str, **kwargs: Any) -> StepArtifacts:
     return artifacts
 
 
+# Graph modules built while the stages run (make_fx's, each pass's copy, recompile() after a rewrite)
+# generate their Python code only when first called or printed: torch's _LazyGraphModule, as Inductor
+# uses it. A compilation built ~24 graph modules and generated code for each; on the fake process
+# group (W=2, AdamW, eager) this took a 2-layer GPT step's compile from 2.1 to 1.8 s and a 2-layer
+# MLP's from 0.45 to 0.31 s.
 @frame_stack_headroom
+@_use_lazy_graph_module(True)
 def expand_step(
     fn: Callable[..., Any],
     args: tuple,
@@ -319,6 +326,7 @@ class JointArtifacts:
     backward: Optional[fx.GraphModule]
 
 
+@_use_lazy_graph_module(True)  # see expand_step
 def expand_joint(
     *args: Any, num_tangents: int, num_forward_outputs: int, local_passes: Sequence[SpmdPass], keep_graphs: bool = False, **kwargs: Any
 ) -> JointArtifacts:
