@@ -311,6 +311,23 @@ def test_default_pipeline_records_each_pass(world):
     assert {"trace", "global_passes", "propagate", "expand", "local_passes", "lower"} <= set(step.last.seconds)
 
 
+@pytest.mark.parametrize("plan_name", ["ddp", "fsdp"])
+def test_a_compilation_generates_python_code_only_for_the_graph_it_runs(world, monkeypatch, plan_name):
+    # The stages build graph modules lazily (pipeline.expand_step): Python code is generated when a
+    # graph module is first called or printed, not at each construction and recompile() of the ~24
+    # graph modules a compilation makes. With eager lowering, the one call is the local graph's.
+    generated = []
+    python_code = fx.Graph.python_code
+
+    def counting(self, *args, **kwargs):
+        generated.append(self)
+        return python_code(self, *args, **kwargs)
+
+    monkeypatch.setattr(fx.Graph, "python_code", counting)
+    step, _ = _compile(plan_name, "default", world)
+    assert generated == [step.last.local_graph.graph]
+
+
 def test_pass_selection_errors():
     with pytest.raises(spmd.PassError, match="unknown pass 'bucketting'"):
         resolve_passes(["bucketting"])
