@@ -47,8 +47,8 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.fx as fx
-from torch.fx._lazy_graph_module import _make_graph_module
 import torch.utils._pytree as pytree
+from torch.fx._lazy_graph_module import _make_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 __all__ = ["functionalize_graph"]

@@ -26,9 +26,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
-from torch.fx._lazy_graph_module import _use_lazy_graph_module
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
 from .annotate import output_placements
@@ -199,9 +199,10 @@ def compile_step(*args: Any, lower: str, **kwargs: Any) -> StepArtifacts:
 
 # Graph modules built while the stages run (make_fx's, each pass's copy, recompile() after a rewrite)
 # generate their Python code only when first called or printed: torch's _LazyGraphModule, as Inductor
-# uses it. A compilation built ~24 graph modules and generated code for each; on the fake process
-# group (W=2, AdamW, eager) this took a 2-layer GPT step's compile from 2.1 to 1.8 s and a 2-layer
-# MLP's from 0.45 to 0.31 s.
+# uses it. A compilation of a 2-layer GPT step generated Python code 25 times under DDP and 47 under
+# FSDP (at each graph module's construction and each recompile()), now once, for the graph that
+# runs. On the fake process group (W=2, AdamW, eager, best of 6-10) this took the GPT's DDP compile
+# from 2.1 to 1.8 s, and a 2-layer MLP's from 0.45 to 0.31 s.
 @frame_stack_headroom
 @_use_lazy_graph_module(True)
 def expand_step(
