@@ -17,14 +17,20 @@ functionalization does for such graphs without tracing again:
   twin promotes (``_to_copy``), and later reads of the written tensor (through the tensor, the op's
   result, or a ``detach``/``alias`` of it: aliases with the tensor's size, strides and offset) read
   that result;
+- a fused optimizer kernel, which writes several tensor lists (``_fused_adamw_``: parameters, states),
+  becomes its functional variant (``_fused_adamw``), which returns each written list anew; each
+  written tensor then reads ``copy(tensor, new value)``, as the traced path records it
+  (:class:`spmd_expand.trace._FunctionalizingInterpreter` copies the results back, and torch's
+  functionalization turns those writes into ``copy``);
 - each written placeholder gets ``aten.copy_(placeholder, last value)`` before the output, in
   placeholder order;
 - ops in ``decompositions`` are decomposed as ``make_fx`` would (a small trace of that one op).
 
 Anything else returns None, and the caller functionalizes by tracing: a write through a view other
 than ``detach``/``alias`` (``x[:, 0] = v``, ``x[0].fill_(1)``), a view read after its base was
-written, an op that writes an argument other than its first (the fused optimizer kernels), an
-in-place op without a functional twin of the same signature (``uniform_``), a higher-order op.
+written, an op that writes an argument other than its first and is not a fused optimizer kernel
+(``aten.div.out``), an in-place op without a functional twin of the same signature (``uniform_``), a
+higher-order op.
 
 Where the result differs from torch's re-trace (checked node by node in tests/test_functionalize.py
 and, over the multi-rank test modules, by comparing both graphs of every compilation):
@@ -51,7 +57,7 @@ import torch.utils._pytree as pytree
 from torch.fx._lazy_graph_module import _make_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
-__all__ = ["functionalize_graph"]
+__all__ = ["functionalize_graph", "functional_twin", "list_functional_twin", "written_args"]
 
 aten = torch.ops.aten
 
@@ -73,7 +79,8 @@ class _NeedsTracing(Exception):
 
 
 @functools.cache
-def _written_args(op: torch._ops.OpOverload) -> tuple[int, ...]:
+def written_args(op: torch._ops.OpOverload) -> tuple[int, ...]:
+    """Indices of the arguments ``op`` writes in place (``Tensor(a!)`` in its schema)."""
     return tuple(i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
 
 
@@ -89,7 +96,7 @@ def functional_twin(op: torch._ops.OpOverload) -> Optional[torch._ops.OpOverload
     ops that change metadata (``t_``, ``resize_``, ``set_``) or draw random numbers (``uniform_``)."""
     name = op._opname
     if (
-        _written_args(op) != (0,)
+        written_args(op) != (0,)
         or not name.endswith("_")
         or name.endswith("__")
         or any(word in name for word in _METADATA_WRITES)
@@ -99,7 +106,7 @@ def functional_twin(op: torch._ops.OpOverload) -> Optional[torch._ops.OpOverload
         return None
     packet = getattr(getattr(torch.ops, op.namespace), name[:-1], None)
     twin = getattr(packet, op._overloadname, None) if packet is not None else None
-    if not isinstance(twin, torch._ops.OpOverload) or _written_args(twin):
+    if not isinstance(twin, torch._ops.OpOverload) or written_args(twin):
         return None
     ours, theirs = op._schema.arguments, twin._schema.arguments
     if len(ours) != len(theirs) or any(
@@ -113,6 +120,35 @@ def functional_twin(op: torch._ops.OpOverload) -> Optional[torch._ops.OpOverload
     if self_type == "List[Tensor]" and returns == ["List[Tensor]"] and not op._schema.returns:
         return twin
     return None
+
+
+@functools.cache
+def list_functional_twin(op: torch._ops.OpOverload) -> Optional[torch._ops.OpOverload]:
+    """The functional op for in-place ``op`` that writes two or more tensor lists (the fused
+    optimizer kernels, ``aten._fused_adamw_`` and its kind): same name without the trailing ``_``,
+    same overload, same arguments, returning one ``Tensor[]`` per written argument, in their order
+    (``self_out``, ``grads_out``, ...). None for anything else, including ops that write one list
+    (``_foreach_copy_``: :func:`functional_twin`)."""
+    written = written_args(op)
+    name = op._opname
+    ours = op._schema.arguments
+    if len(written) < 2 or not name.endswith("_") or name.endswith("__") or op._schema.returns:
+        return None
+    if any(str(ours[i].type) != "List[Tensor]" for i in written):
+        return None
+    packet = getattr(getattr(torch.ops, op.namespace), name[:-1], None)
+    twin = getattr(packet, op._overloadname, None) if packet is not None else None
+    if not isinstance(twin, torch._ops.OpOverload) or written_args(twin):
+        return None
+    theirs = twin._schema.arguments
+    if len(ours) != len(theirs) or any(
+        (a.name, str(a.type), a.kwarg_only) != (b.name, str(b.type), b.kwarg_only) for a, b in zip(ours, theirs)
+    ):
+        return None
+    returns = twin._schema.returns
+    if [(r.name, str(r.type)) for r in returns] != [(f"{ours[i].name}_out", "List[Tensor]") for i in written]:
+        return None
+    return twin
 
 
 @functools.cache
@@ -245,7 +281,7 @@ class _Walk:
             elif n.op == "output":
                 result = fx.node.map_arg(n.args[0], lambda a: local[a])
             elif n.op == "call_function":
-                if isinstance(n.target, torch._ops.OpOverload) and _written_args(n.target):
+                if isinstance(n.target, torch._ops.OpOverload) and written_args(n.target):
                     raise _NeedsTracing(f"{target}: its decomposition writes in place")
                 new = self.create(n.target, *fx.node.map_arg((n.args, n.kwargs), lambda a: local[a]))
                 new.meta = dict(old.meta)
@@ -271,16 +307,15 @@ class _Walk:
         if op in _WRITES_TO_OUTPUTS:
             self.write_to_outputs(old, at)
             return
+        if list_functional_twin(op) is not None:
+            self.write_lists(old, list_functional_twin(op), at)
+            return
         twin = functional_twin(op)
         if twin is None:
             raise _NeedsTracing(f"{op}: no functional twin")
         written = old.args[0]
         targets = list(written) if isinstance(written, (list, tuple)) else [written]
-        for t in targets:
-            if not isinstance(t, fx.Node) or t not in self.whole:
-                raise _NeedsTracing(f"{op}: writes a view")
-            if self.root[t].op == "get_attr":
-                raise _NeedsTracing(f"{op}: writes a constant")
+        self.check_writable(op, targets)
         args, kwargs = self.args(old)
         fake_args, fake_kwargs = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
         new = self.emit(old, twin, args, kwargs, val=twin(*fake_args, **fake_kwargs))
@@ -300,6 +335,14 @@ class _Walk:
         self.root[old] = root
         self.created[old] = at
         self.whole.add(old)
+
+    def check_writable(self, op: Any, targets: list) -> None:
+        """Each of ``targets`` is a whole tensor (not a view of one) that is not a constant."""
+        for t in targets:
+            if not isinstance(t, fx.Node) or t not in self.whole:
+                raise _NeedsTracing(f"{op}: writes a view")
+            if self.root[t].op == "get_attr":
+                raise _NeedsTracing(f"{op}: writes a constant")
 
     def as_written(self, old: fx.Node, value: fx.Node, written: fx.Node) -> fx.Node:
         """``value`` (a functional result) as the in-place op leaves it in ``written``: in its dtype
@@ -331,6 +374,33 @@ class _Walk:
             self.version[root] = self.as_written(old, items[out_index], old.args[arg_index])
             self.last_write[root] = at
         self.env[old] = items[:kept]
+
+    def write_lists(self, old: fx.Node, twin: torch._ops.OpOverload, at: int) -> None:
+        """An op that writes several tensor lists (a fused optimizer step): its functional twin returns
+        the new value of each written list, in argument order."""
+        written = written_args(old.target)
+        names = [old.target._schema.arguments[i].name for i in written]
+        lists = [old.args[i] if i < len(old.args) else old.kwargs.get(name) for i, name in zip(written, names)]
+        for targets in lists:
+            if not isinstance(targets, (list, tuple)):
+                raise _NeedsTracing(f"{old.target}: writes a list it is not given as a list")
+            self.check_writable(old.target, targets)
+        args, kwargs = self.args(old)
+        fake_args, fake_kwargs = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+        new = self.emit(old, twin, args, kwargs, val=twin(*fake_args, **fake_kwargs))
+        if isinstance(new, (list, tuple)):
+            raise _NeedsTracing(f"{old.target}: decomposed")
+        values = [args[i] if i < len(args) else kwargs[name] for i, name in zip(written, names)]
+        for k, (targets, before) in enumerate(zip(lists, values)):
+            out = self.getitem(old, new, k)
+            for i, (t, current) in enumerate(zip(targets, before)):
+                # As torch's functionalization writes a mutable op's results back: copy(input, result),
+                # the result in the written tensor's shape and dtype.
+                item = self.getitem(old, out, i)
+                fake = aten.copy.default(current.meta["val"], item.meta["val"])
+                self.version[self.root[t]] = self.emit(old, aten.copy.default, (current, item), {}, val=fake)
+                self.last_write[self.root[t]] = at
+        self.env[old] = None
 
     def getitem(self, old: fx.Node, source: fx.Node, i: int) -> fx.Node:
         item = self.graph.create_node("call_function", operator.getitem, (source, i))
@@ -368,7 +438,7 @@ class _Walk:
             self.fresh(old, self.emit(old, target, *self.args(old)), at)
             return
         schema = target._schema
-        if _written_args(target):
+        if written_args(target):
             self.write(old, at)
             return
         aliased = _aliased_arg(target)

@@ -69,7 +69,7 @@ from .python_values import (
 )
 from .errors import TraceError, node_error, user_source_line
 from .forms import equal_forms_patched, equal_valued_form
-from .functionalize import functionalize_graph
+from .functionalize import functionalize_graph, list_functional_twin, written_args
 from .loss_parallel import MarkLossParallel
 from .plans import MixedPrecision, ParamCast
 
@@ -245,20 +245,6 @@ class TracedStep:
         )
 
 
-# In-place fused optimizer ops whose C++ functionalization kernel cannot handle their list arguments
-# in torch 2.13; the functional variant returns the updated lists, which are copied back instead.
-_FUNCTIONAL_VARIANT = {
-    aten._fused_adam_.default: (aten._fused_adam.default, (0, 1, 2, 3, 4)),
-    aten._fused_adamw_.default: (aten._fused_adamw.default, (0, 1, 2, 3, 4)),
-    aten._fused_sgd_.default: (aten._fused_sgd.default, (0, 1, 2)),
-    aten._fused_adam_.tensor_lr: (aten._fused_adam.tensor_lr, (0, 1, 2, 3, 4)),
-    aten._fused_adamw_.tensor_lr: (aten._fused_adamw.tensor_lr, (0, 1, 2, 3, 4)),
-    aten._fused_sgd_.tensor_lr: (aten._fused_sgd.tensor_lr, (0, 1, 2)),
-    aten._fused_adagrad_.default: (aten._fused_adagrad.default, (0, 1, 2, 3)),
-    aten._fused_adagrad_.tensor_lr: (aten._fused_adagrad.tensor_lr, (0, 1, 2)),
-}
-
-
 def _nll_loss_mean_as_sum(forward: torch._ops.OpOverload) -> Callable:
     """``forward`` (``nll_loss_forward``, or ``nll_loss2d_forward`` for ``(N, C, H, W)`` inputs) with
     ``reduction="mean"`` as ``sum / total_weight`` (same values).
@@ -326,14 +312,18 @@ def _decompositions() -> dict:
 
 
 class _FunctionalizingInterpreter(fx.Interpreter):
-    """Runs graph 1 under functionalize, swapping fused in-place optimizer ops for functional ones."""
+    """Runs graph 1 under functionalize, swapping fused in-place optimizer ops for functional ones:
+    torch 2.13's C++ functionalization kernels of ``aten._fused_adamw_`` and its kind cannot handle
+    their list arguments, so the functional variant (:func:`~spmd_expand.functionalize.list_functional_twin`)
+    returns the updated lists, which are copied back."""
 
     def call_function(self, target, args, kwargs):
-        if target in _FUNCTIONAL_VARIANT:
-            functional, mutated = _FUNCTIONAL_VARIANT[target]
+        functional = list_functional_twin(target) if isinstance(target, torch._ops.OpOverload) else None
+        if functional is not None:
             results = functional(*args, **kwargs)
-            for arg_index, new_values in zip(mutated, results):
-                for dst, src in zip(args[arg_index], new_values):
+            names = [target._schema.arguments[i].name for i in written_args(target)]
+            for arg_index, name, new_values in zip(written_args(target), names, results):
+                for dst, src in zip(args[arg_index] if arg_index < len(args) else kwargs[name], new_values):
                     dst.copy_(src)
             return None
         return super().call_function(target, args, kwargs)

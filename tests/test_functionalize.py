@@ -23,7 +23,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import spmd_expand as spmd
 import spmd_expand.trace as trace_module
-from spmd_expand.functionalize import functional_twin, functionalize_graph
+from spmd_expand.functionalize import functional_twin, functionalize_graph, list_functional_twin
 
 from loops import classification_step
 
@@ -179,6 +179,12 @@ def test_functional_twins():
     assert functional_twin(aten._foreach_mul_.Scalar) is aten._foreach_mul.Scalar
     for op in (aten.t_.default, aten.resize_.default, aten.uniform_.default, aten.add.Tensor):
         assert functional_twin(op) is None, op
+    # Ops that write several tensor lists: the fused optimizer kernels.
+    assert list_functional_twin(aten._fused_adamw_.default) is aten._fused_adamw.default
+    assert list_functional_twin(aten._fused_sgd_.tensor_lr) is aten._fused_sgd.tensor_lr
+    assert list_functional_twin(aten._fused_adagrad_.default) is aten._fused_adagrad.default
+    for op in (aten._foreach_copy_.default, aten._foreach_zero_.default, aten.add_.Tensor, aten._amp_foreach_non_finite_check_and_unscale_.default):
+        assert list_functional_twin(op) is None, op
 
 
 class _ConvBN(nn.Module):
@@ -206,6 +212,17 @@ _CASES = {
     ),
     "conv_batch_norm_sgd": (_ConvBN, lambda p: torch.optim.SGD(p, lr=0.1), (8, 3, 6, 6)),
 }
+# Fused optimizers: one op writes several tensor lists (aten._fused_adamw_, ...).
+_FUSED = {
+    "mlp_adamw_fused": lambda p: torch.optim.AdamW(p, lr=0.1, fused=True),
+    "mlp_adam_amsgrad_fused": lambda p: torch.optim.Adam(p, lr=0.1, amsgrad=True, fused=True),
+    "mlp_sgd_fused": lambda p: torch.optim.SGD(p, lr=0.1, fused=True),
+    "mlp_adagrad_fused": lambda p: torch.optim.Adagrad(p, lr=0.1, fused=True),
+}
+_CASES.update(
+    (name, (lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), optimizer, (8, 8)))
+    for name, optimizer in _FUSED.items()
+)
 
 
 @pytest.mark.parametrize("case", list(_CASES))
