@@ -307,8 +307,9 @@ class _Walk:
         if op in _WRITES_TO_OUTPUTS:
             self.write_to_outputs(old, at)
             return
-        if list_functional_twin(op) is not None:
-            self.write_lists(old, list_functional_twin(op), at)
+        lists_twin = list_functional_twin(op)
+        if lists_twin is not None:
+            self.write_lists(old, lists_twin, at)
             return
         twin = functional_twin(op)
         if twin is None:
