@@ -57,7 +57,7 @@ import torch.utils._pytree as pytree
 from torch.fx._lazy_graph_module import _make_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
-__all__ = ["functionalize_graph", "functional_twin", "list_functional_twin", "written_args"]
+__all__ = ["functionalize_graph", "functional_twin", "list_functional_twin", "written_args", "written_values"]
 
 aten = torch.ops.aten
 
@@ -88,21 +88,11 @@ def written_args(op: torch._ops.OpOverload) -> tuple[int, ...]:
 _METADATA_WRITES = ("resize", "set_", "as_strided", "swap")
 
 
-@functools.cache
-def functional_twin(op: torch._ops.OpOverload) -> Optional[torch._ops.OpOverload]:
-    """The functional op for in-place ``op`` that writes only its first argument: same name without
-    the trailing ``_``, same overload, same arguments (by name, type and keyword-only), returning the
-    new value (``Tensor``; ``Tensor[]`` for a list first argument). None when there is none, and for
-    ops that change metadata (``t_``, ``resize_``, ``set_``) or draw random numbers (``uniform_``)."""
+def _unwritten_twin(op: torch._ops.OpOverload) -> Optional[torch._ops.OpOverload]:
+    """The op named like in-place ``op`` without its trailing ``_``, of the same overload and the same
+    arguments (by name, type and keyword-only), that writes nothing; None when there is none."""
     name = op._opname
-    if (
-        written_args(op) != (0,)
-        or not name.endswith("_")
-        or name.endswith("__")
-        or any(word in name for word in _METADATA_WRITES)
-        or torch.Tag.inplace_view in op.tags
-        or torch.Tag.nondeterministic_seeded in op.tags
-    ):
+    if not name.endswith("_") or name.endswith("__"):
         return None
     packet = getattr(getattr(torch.ops, op.namespace), name[:-1], None)
     twin = getattr(packet, op._overloadname, None) if packet is not None else None
@@ -113,7 +103,32 @@ def functional_twin(op: torch._ops.OpOverload) -> Optional[torch._ops.OpOverload
         (a.name, str(a.type), a.kwarg_only) != (b.name, str(b.type), b.kwarg_only) for a, b in zip(ours, theirs)
     ):
         return None
-    self_type = str(ours[0].type)
+    return twin
+
+
+def written_values(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list:
+    """The values ``op`` writes in place, from a call's ``args`` and ``kwargs`` (:func:`written_args`)."""
+    arguments = op._schema.arguments
+    return [args[i] if i < len(args) else kwargs[arguments[i].name] for i in written_args(op)]
+
+
+@functools.cache
+def functional_twin(op: torch._ops.OpOverload) -> Optional[torch._ops.OpOverload]:
+    """The functional op for in-place ``op`` that writes only its first argument: same name without
+    the trailing ``_``, same overload, same arguments (by name, type and keyword-only), returning the
+    new value (``Tensor``; ``Tensor[]`` for a list first argument). None when there is none, and for
+    ops that change metadata (``t_``, ``resize_``, ``set_``) or draw random numbers (``uniform_``)."""
+    if (
+        written_args(op) != (0,)
+        or any(word in op._opname for word in _METADATA_WRITES)
+        or torch.Tag.inplace_view in op.tags
+        or torch.Tag.nondeterministic_seeded in op.tags
+    ):
+        return None
+    twin = _unwritten_twin(op)
+    if twin is None:
+        return None
+    self_type = str(op._schema.arguments[0].type)
     returns = [str(r.type) for r in twin._schema.returns]
     if self_type == "Tensor" and returns == ["Tensor"] and len(op._schema.returns) == 1:
         return twin
@@ -130,23 +145,14 @@ def list_functional_twin(op: torch._ops.OpOverload) -> Optional[torch._ops.OpOve
     (``self_out``, ``grads_out``, ...). None for anything else, including ops that write one list
     (``_foreach_copy_``: :func:`functional_twin`)."""
     written = written_args(op)
-    name = op._opname
     ours = op._schema.arguments
-    if len(written) < 2 or not name.endswith("_") or name.endswith("__") or op._schema.returns:
+    if len(written) < 2 or op._schema.returns or any(str(ours[i].type) != "List[Tensor]" for i in written):
         return None
-    if any(str(ours[i].type) != "List[Tensor]" for i in written):
+    twin = _unwritten_twin(op)
+    if twin is None:
         return None
-    packet = getattr(getattr(torch.ops, op.namespace), name[:-1], None)
-    twin = getattr(packet, op._overloadname, None) if packet is not None else None
-    if not isinstance(twin, torch._ops.OpOverload) or written_args(twin):
-        return None
-    theirs = twin._schema.arguments
-    if len(ours) != len(theirs) or any(
-        (a.name, str(a.type), a.kwarg_only) != (b.name, str(b.type), b.kwarg_only) for a, b in zip(ours, theirs)
-    ):
-        return None
-    returns = twin._schema.returns
-    if [(r.name, str(r.type)) for r in returns] != [(f"{ours[i].name}_out", "List[Tensor]") for i in written]:
+    returns = [(r.name, str(r.type)) for r in twin._schema.returns]
+    if returns != [(f"{ours[i].name}_out", "List[Tensor]") for i in written]:
         return None
     return twin
 
@@ -379,9 +385,7 @@ class _Walk:
     def write_lists(self, old: fx.Node, twin: torch._ops.OpOverload, at: int) -> None:
         """An op that writes several tensor lists (a fused optimizer step): its functional twin returns
         the new value of each written list, in argument order."""
-        written = written_args(old.target)
-        names = [old.target._schema.arguments[i].name for i in written]
-        lists = [old.args[i] if i < len(old.args) else old.kwargs.get(name) for i, name in zip(written, names)]
+        lists = written_values(old.target, old.args, old.kwargs)
         for targets in lists:
             if not isinstance(targets, (list, tuple)):
                 raise _NeedsTracing(f"{old.target}: writes a list it is not given as a list")
@@ -391,8 +395,7 @@ class _Walk:
         new = self.emit(old, twin, args, kwargs, val=twin(*fake_args, **fake_kwargs))
         if isinstance(new, (list, tuple)):
             raise _NeedsTracing(f"{old.target}: decomposed")
-        values = [args[i] if i < len(args) else kwargs[name] for i, name in zip(written, names)]
-        for k, (targets, before) in enumerate(zip(lists, values)):
+        for k, (targets, before) in enumerate(zip(lists, written_values(old.target, args, kwargs))):
             out = self.getitem(old, new, k)
             for i, (t, current) in enumerate(zip(targets, before)):
                 # As torch's functionalization writes a mutable op's results back: copy(input, result),

@@ -69,7 +69,7 @@ from .python_values import (
 )
 from .errors import TraceError, node_error, user_source_line
 from .forms import equal_forms_patched, equal_valued_form
-from .functionalize import functionalize_graph, list_functional_twin, written_args
+from .functionalize import functionalize_graph, list_functional_twin, written_values
 from .loss_parallel import MarkLossParallel
 from .plans import MixedPrecision, ParamCast
 
@@ -321,9 +321,8 @@ class _FunctionalizingInterpreter(fx.Interpreter):
         functional = list_functional_twin(target) if isinstance(target, torch._ops.OpOverload) else None
         if functional is not None:
             results = functional(*args, **kwargs)
-            names = [target._schema.arguments[i].name for i in written_args(target)]
-            for arg_index, name, new_values in zip(written_args(target), names, results):
-                for dst, src in zip(args[arg_index] if arg_index < len(args) else kwargs[name], new_values):
+            for written, new_values in zip(written_values(target, args, kwargs), results):
+                for dst, src in zip(written, new_values):
                     dst.copy_(src)
             return None
         return super().call_function(target, args, kwargs)
