@@ -68,6 +68,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from .errors import BatchError, CollectiveError, DivergenceError, first_line
 from .plans import ResolvedPlan
+from .python_values import MODULE_HOOKS, TENSOR_HOOKS, hooks
 from .rng import GENERATOR_FIX
 from .trace import HyperParameter
 from .watch import is_communication_failure
@@ -97,38 +98,6 @@ def _setting(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return tuple(_setting(v) for v in value)
     return value if isinstance(value, (int, str, bool, type(None))) else repr(value)
-
-
-_MODULE_HOOKS = operator.attrgetter("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-_TENSOR_HOOKS = operator.attrgetter("_backward_hooks", "_post_accumulate_grad_hooks")
-
-
-def hooks(modules: Sequence[nn.Module], params: Sequence[torch.Tensor], optimizer: Optional[torch.optim.Optimizer]) -> tuple[list, list]:
-    """The hooks a traced step runs: (the non-empty hook dicts and their callables, by identity; the
-    dicts' sizes).
-
-    Places: each module's forward-pre / forward / backward-pre / backward hooks, each parameter's
-    gradient hooks (``register_hook``) and post-accumulate-grad hooks, the optimizer's step pre/post
-    hooks, and torch's global module and optimizer hooks. A hook added or removed between calls is a
-    new graph (the trace ran the hooks that were there); Dynamo guards on the same dicts. Each dict
-    belongs to one place, so its identity says where a hook is. C-level iteration (``attrgetter``,
-    ``chain``, ``filter``): about 0.3 us per parameter.
-    """
-    import torch.nn.modules.module as module_hooks
-    import torch.optim.optimizer as optimizer_hooks
-
-    places = [
-        module_hooks._global_forward_pre_hooks, module_hooks._global_forward_hooks,
-        module_hooks._global_backward_pre_hooks, module_hooks._global_backward_hooks,
-    ]
-    if optimizer is not None:
-        places += (
-            optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks,
-            optimizer_hooks._global_optimizer_pre_hooks, optimizer_hooks._global_optimizer_post_hooks,
-        )
-    chain = itertools.chain.from_iterable
-    dicts = list(filter(None, itertools.chain(places, chain(map(_MODULE_HOOKS, modules)), chain(map(_TENSOR_HOOKS, params)))))
-    return dicts + [h for d in dicts for h in d.values()], [len(d) for d in dicts]
 
 
 def cache_key(
@@ -691,12 +660,12 @@ def state_summary(model: Optional[nn.Module], optimizer: Optional[torch.optim.Op
         for name, m in model.named_modules():
             label = f"model.{name}" if name else "model"
             out[f"{label}.training"] = repr(m.training)
-            counts = tuple(map(len, _MODULE_HOOKS(m)))
+            counts = tuple(map(len, MODULE_HOOKS(m)))
             if any(counts):
                 out[f"{label} hooks (forward-pre, forward, backward-pre, backward)"] = repr(counts)
         for name, p in model.named_parameters():
             out[f"model.{name}.requires_grad"] = repr(p.requires_grad)
-            counts = tuple(map(len, filter(None, _TENSOR_HOOKS(p))))
+            counts = tuple(map(len, filter(None, TENSOR_HOOKS(p))))
             if any(counts):
                 out[f"model.{name} gradient hooks"] = repr(counts)
     if optimizer is not None:

@@ -50,6 +50,7 @@ import collections
 import contextlib
 import dis
 import functools
+import itertools
 import operator
 import sys
 import types
@@ -73,6 +74,10 @@ __all__ = [
     "code_prints",
     "code_writes",
     "forward_functions",
+    "hook_functions",
+    "hooks",
+    "MODULE_HOOKS",
+    "TENSOR_HOOKS",
     "is_settings_object",
     "record_reads",
     "settings_variables",
@@ -580,6 +585,67 @@ def forward_functions(model: nn.Module) -> list[Callable]:
     return list(found.values())
 
 
+MODULE_HOOKS = operator.attrgetter("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+TENSOR_HOOKS = operator.attrgetter("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def hooks(modules: Sequence[nn.Module], params: Sequence[torch.Tensor], optimizer: Optional[torch.optim.Optimizer]) -> tuple[list, list]:
+    """The hooks a traced step runs: (the non-empty hook dicts and their callables, by identity; the
+    dicts' sizes).
+
+    Places: each module's forward-pre / forward / backward-pre / backward hooks, each parameter's
+    gradient hooks (``register_hook``) and post-accumulate-grad hooks, the optimizer's step pre/post
+    hooks, and torch's global module and optimizer hooks. A hook added or removed between calls is a
+    new graph (the trace ran the hooks that were there); Dynamo guards on the same dicts. Each dict
+    belongs to one place, so its identity says where a hook is. C-level iteration (``attrgetter``,
+    ``chain``, ``filter``): about 0.3 us per parameter.
+    """
+    import torch.nn.modules.module as module_hooks
+    import torch.optim.optimizer as optimizer_hooks
+
+    places = [
+        module_hooks._global_forward_pre_hooks, module_hooks._global_forward_hooks,
+        module_hooks._global_backward_pre_hooks, module_hooks._global_backward_hooks,
+    ]
+    if optimizer is not None:
+        places += (
+            optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks,
+            optimizer_hooks._global_optimizer_pre_hooks, optimizer_hooks._global_optimizer_post_hooks,
+        )
+    chain = itertools.chain.from_iterable
+    dicts = list(filter(None, itertools.chain(places, chain(map(MODULE_HOOKS, modules)), chain(map(TENSOR_HOOKS, params)))))
+    return dicts + [h for d in dicts for h in d.values()], [len(d) for d in dicts]
+
+
+def hook_functions(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> tuple[list[Callable], list[Any]]:
+    """The user's hooks that a traced step of ``model`` and ``optimizer`` can run (:func:`hooks`), for
+    :func:`code_reads`, :class:`StateWatch` and :func:`code_prints`, as the model's ``forward``
+    functions are: ``(functions, objects)``. A ``functools.partial`` counts as its function; a bound
+    method as itself, with its ``self`` among ``objects``; a callable object as its bound ``__call__``,
+    with the object among ``objects``.
+
+    A hook runs when the step is traced, not on every call: the globals and closure variables it reads
+    must be guarded (``lambda g: g * SCALE`` baked ``SCALE`` in), and what it changes warned about or
+    refused (``acts.append(out)`` kept a stand-in tensor), like the step's own Python.
+    """
+    found, _ = hooks(list(model.modules()), list(model.parameters()), optimizer)
+    functions: list[Callable] = []
+    objects: list[Any] = []
+    for hook in found:
+        if isinstance(hook, dict):
+            continue
+        while isinstance(hook, functools.partial):
+            hook = hook.func
+        if isinstance(hook, types.MethodType):
+            objects.append(hook.__self__)
+        elif not isinstance(hook, types.FunctionType):
+            objects.append(hook)
+            hook = getattr(hook, "__call__", None)  # bound: its reads of ``self`` are followed
+        if hook is not None:
+            functions.append(hook)
+    return functions, objects
+
+
 # ---------------------------------------------------------------------------------------- state the step changes
 
 _CONTAINERS = (list, dict, set, collections.deque)
@@ -719,13 +785,17 @@ class StateWatch:
     that a global or closure variable of ``functions`` holds (followed as :func:`code_reads` follows
     them), the containers and user objects inside those (one level), and the plain attributes of
     ``model``'s modules and the containers they hold. Shallow: each watched object's own items and
-    attributes are compared by identity (scalars by value)."""
+    attributes are compared by identity (scalars by value). ``objects``: more user objects to watch
+    (the objects of hooks, :func:`hook_functions`)."""
 
-    def __init__(self, functions: list[Callable], model: Optional[nn.Module], depth: int = 4) -> None:
+    def __init__(self, functions: list[Callable], model: Optional[nn.Module], depth: int = 4, objects: Sequence[Any] = ()) -> None:
         # (description, in a module, in a library module, object, snapshot)
         self._watched: list[tuple[str, bool, bool, Any, Any]] = []
         seen: set = set()
         assigned: set = set()
+        for obj in objects:  # a hook's object (hook_functions): its attributes, as a global's
+            if not isinstance(obj, nn.Module):
+                self._watch(obj, f"the hook object {type(obj).__qualname__}", False, False, seen, 1)
         for fn in _user_functions(functions, depth):
             for kind, name, _, value, _ in _loaded_values(fn):
                 label = _variable_label(kind, name, fn)

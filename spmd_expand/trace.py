@@ -64,6 +64,7 @@ from .python_values import (
     code_reads,
     code_writes,
     forward_functions,
+    hook_functions,
     record_reads,
     settings_variables,
 )
@@ -983,9 +984,10 @@ def trace_step(
         return out
 
     modes_before = {fqn: m.training for fqn, m in model.named_modules()}
-    user_functions = [fn, *forward_functions(model)]
+    hooked, hook_objects = hook_functions(model, optimizer)
+    user_functions = [fn, *forward_functions(model), *hooked]
     settings_objects = settings_variables(user_functions)
-    state = StateWatch(user_functions, model)
+    state = StateWatch(user_functions, model, objects=hook_objects)
     randomness = RandomStateUse()
     try:
         with torch.compiler._compile_session_context(), torch.enable_grad():

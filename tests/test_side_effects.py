@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 import cases
 import spmd_expand as spmd
@@ -208,3 +209,119 @@ def test_an_assigned_buffer_is_written_back(fake_mesh):
     model = Reassigning()
     messages = _call(fake_mesh, _train, model)
     assert not messages and model.ema.abs().sum() > 0
+
+
+# Hooks run when the step is traced, as the step's own Python does: what they change is reported or
+# refused and what they read is guarded, whatever kind of callable the hook is.
+ACTIVATIONS: list = []
+HOOK_CALLS = {"forward": 0, "step": 0}
+GRADIENT_SCALE = 1.0
+
+
+def _keep_activation(module, inputs, output):
+    ACTIVATIONS.append(output.detach())
+
+
+def _count_forward(module, inputs, output):
+    HOOK_CALLS["forward"] += 1
+
+
+def _count_step(optimizer, args, kwargs):
+    HOOK_CALLS["step"] += 1
+
+
+def _scale_gradient(grad):
+    return grad * GRADIENT_SCALE
+
+
+class ActivationRecorder:
+    """A callable hook object, as feature-extraction and logging utilities write them."""
+
+    def __init__(self):
+        self.outputs = []
+
+    def __call__(self, module, inputs, output):
+        self.outputs.append(output.detach())
+
+
+def test_a_forward_hook_keeping_an_activation_is_refused_and_undone(fake_mesh):
+    ACTIVATIONS[:] = []
+    model = _mlp()
+    model[0].register_forward_hook(_keep_activation)
+    with pytest.raises(spmd.TraceError, match="global ACTIVATIONS of test_side_effects"):
+        _call(fake_mesh, _train, model)
+    assert ACTIVATIONS == []  # no placeholder (FakeTensor) left in the user's list
+
+
+def test_a_hook_object_keeping_an_activation_is_refused_and_undone(fake_mesh):
+    model, recorder = _mlp(), ActivationRecorder()
+    model[2].register_forward_hook(recorder)
+    with pytest.raises(spmd.TraceError, match=r"the hook object ActivationRecorder\.outputs"):
+        _call(fake_mesh, _train, model)
+    assert recorder.outputs == []
+
+
+@pytest.mark.parametrize("where", ["forward", "step"])
+def test_a_counting_hook_is_kept_and_reported(fake_mesh, where):
+    HOOK_CALLS.update(forward=0, step=0)
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if where == "forward":
+        model[0].register_forward_hook(_count_forward)
+    else:
+        optimizer.register_step_post_hook(_count_step)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _compiled(fake_mesh, _train)(model, optimizer, torch.randn(8, 8))
+    assert HOOK_CALLS[where] == 1
+    assert any(f"global HOOK_CALLS of test_side_effects ('{where}': 0 -> 1)" in str(w.message) for w in caught)
+
+
+def _local(param):
+    return param.to_local() if isinstance(param, DTensor) else param.detach()
+
+
+def test_a_value_a_gradient_hook_reads_is_guarded(fake_mesh):
+    """``lambda g: g * SCALE``: the trace bakes SCALE in; a new value compiles again, the same value
+    reuses the graph, and the updates follow the value (SCALE 0 leaves the weight as it is)."""
+    global GRADIENT_SCALE
+    model = _mlp()
+    model[0].weight.register_hook(_scale_gradient)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = _compiled(fake_mesh, _train)
+    x = torch.randn(8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for scale in (1.0, 0.0, 0.0, 1.0):
+            GRADIENT_SCALE = scale
+            before = _local(model[0].weight).clone()
+            step(model, optimizer, x)
+            moved = not torch.equal(_local(model[0].weight), before)
+            assert moved == (scale != 0.0), scale
+    GRADIENT_SCALE = 1.0
+    assert sum(map(len, step.cache.values())) == 2
+
+
+class GradientScaler:
+    """A callable gradient hook whose setting lives on the object."""
+
+    def __init__(self):
+        self.scale = 1.0
+
+    def __call__(self, grad):
+        return grad * self.scale
+
+
+def test_an_attribute_a_hook_object_reads_is_guarded(fake_mesh):
+    model, scaler = _mlp(), GradientScaler()
+    model[0].weight.register_hook(scaler)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = _compiled(fake_mesh, _train)
+    x = torch.randn(8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for scale in (1.0, 0.0):
+            scaler.scale = scale
+            before = _local(model[0].weight).clone()
+            step(model, optimizer, x)
+            assert (not torch.equal(_local(model[0].weight), before)) == (scale != 0.0), scale
