@@ -73,6 +73,7 @@ __all__ = [
     "code_reads",
     "code_prints",
     "code_writes",
+    "called_methods",
     "forward_functions",
     "hook_functions",
     "hooks",
@@ -583,6 +584,50 @@ def forward_functions(model: nn.Module) -> list[Callable]:
         if fn is not None:
             found.setdefault(id(getattr(fn, "__func__", fn)), fn)
     return list(found.values())
+
+
+def _attribute_names(code: types.CodeType) -> Iterator[str]:
+    """The attribute and global names ``code`` and its nested code objects use (``co_names``)."""
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        yield from c.co_names
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+
+
+def called_methods(functions: list[Callable], classes: Sequence[type], depth: int = 4) -> list[types.FunctionType]:
+    """The methods of ``classes`` (the user's classes among them and their bases; library classes are
+    not followed) that ``functions``, or the functions they reach, may call by name: ``self.helper(x)``
+    in a ``forward``, ``model.compute_loss(batch)`` in a step, ``self.attn.scores(q, k)``, a property.
+
+    Globals and closure variables are followed by value (:func:`_user_functions`); a method is reached
+    through an attribute, whose value is only known when the code runs. So this follows names: a
+    method of one of ``classes`` whose name the code uses as an attribute or global name counts as
+    called (it may not be, which only adds guards). Returns them in the order found, each once."""
+    by_name: dict[str, list[types.FunctionType]] = {}
+    for cls in dict.fromkeys(c for k in classes for c in k.__mro__ if _is_user_class(c)):
+        for name, attr in vars(cls).items():
+            if isinstance(attr, (staticmethod, classmethod)):
+                attr = attr.__func__
+            elif isinstance(attr, property):
+                attr = attr.fget
+            if isinstance(attr, types.FunctionType):
+                by_name.setdefault(name, []).append(attr)
+    found: list[types.FunctionType] = []
+    followed: set[str] = set()
+    seen: set = set()
+    todo = list(functions)
+    while todo and by_name:
+        reached = [fn for fn in _user_functions(todo, depth) if fn.__code__ not in seen]
+        todo = []
+        for fn in reached:
+            seen.add(fn.__code__)
+            for name in _attribute_names(fn.__code__):
+                if name in by_name and name not in followed:
+                    followed.add(name)
+                    todo += by_name[name]
+                    found += by_name[name]
+    return list(dict.fromkeys(found))
 
 
 MODULE_HOOKS = operator.attrgetter("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")

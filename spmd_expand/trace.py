@@ -62,6 +62,7 @@ from .python_values import (
     StateWatch,
     code_prints,
     code_reads,
+    called_methods,
     code_writes,
     forward_functions,
     hook_functions,
@@ -986,6 +987,9 @@ def trace_step(
     modes_before = {fqn: m.training for fqn, m in model.named_modules()}
     hooked, hook_objects = hook_functions(model, optimizer)
     user_functions = [fn, *forward_functions(model), *hooked]
+    # Methods the step, a forward or a hook calls by name (self.helper(x), model.compute_loss(batch)).
+    owners = [type(m) for m in model.modules()] + ([type(optimizer)] if optimizer is not None else [])
+    user_functions += called_methods(user_functions, owners)
     settings_objects = settings_variables(user_functions)
     state = StateWatch(user_functions, model, objects=hook_objects)
     randomness = RandomStateUse()

@@ -325,3 +325,52 @@ def test_an_attribute_a_hook_object_reads_is_guarded(fake_mesh):
             before = _local(model[0].weight).clone()
             step(model, optimizer, x)
             assert (not torch.equal(_local(model[0].weight), before)) == (scale != 0.0), scale
+
+
+# Methods reached through an attribute (self.helper(x), model.compute_loss(...)), not a global: the
+# globals they read are guarded as the forward's own.
+HELPER_SCALE = 1.0
+
+
+class WithHelpers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def scaled(self, h):
+        return h * HELPER_SCALE
+
+    def forward(self, x):
+        return self.fc2(self.scaled(self.fc1(x)))
+
+    def compute_loss(self, x):
+        return self(x).pow(2).mean() * HELPER_SCALE
+
+
+def _train_with_method(model, optimizer, x):
+    loss = model.compute_loss(x)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("called_from", ["forward", "step"])
+def test_a_value_a_method_reads_is_guarded(fake_mesh, called_from):
+    """HELPER_SCALE 0 stops fc1's updates (read in ``forward``'s ``self.scaled``) or every update (read
+    in ``model.compute_loss``, which the step calls)."""
+    global HELPER_SCALE
+    model = WithHelpers()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = _compiled(fake_mesh, _train_with_method if called_from == "step" else _train)
+    x = torch.randn(8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for scale in (1.0, 0.0, 1.0):
+            HELPER_SCALE = scale
+            before = _local(model.fc1.weight).clone()
+            step(model, optimizer, x)
+            assert (not torch.equal(_local(model.fc1.weight), before)) == (scale != 0.0), scale
+    HELPER_SCALE = 1.0
+    assert sum(map(len, step.cache.values())) == 2
