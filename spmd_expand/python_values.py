@@ -462,16 +462,29 @@ def _user_functions(functions: list[Callable], depth: int) -> Iterator[types.Fun
         fn, level = todo.pop()
         fn = getattr(fn, "__func__", fn)  # bound methods
         code = getattr(fn, "__code__", None)
+        # A library decorator's wrapper (``@torch.no_grad()``, ``functools.wraps``): the user's function.
+        while code is not None and _is_library(code) and getattr(fn, "__wrapped__", None) is not None:
+            fn = getattr(fn.__wrapped__, "__func__", fn.__wrapped__)
+            code = getattr(fn, "__code__", None)
         if not isinstance(fn, types.FunctionType) or code is None or code in seen or _is_library(code):
             continue
         seen.add(code)
         yield fn
         if level < depth:
-            todo += [
-                (value, level + 1)
-                for _, _, _, value, _ in _loaded_values(fn)
-                if isinstance(value, (types.FunctionType, types.MethodType))
-            ]
+            todo += [(f, level + 1) for _, _, _, value, _ in _loaded_values(fn) if (f := _callable_code(value)) is not None]
+
+
+def _callable_code(value: Any) -> Optional[Callable]:
+    """The Python function calling ``value`` runs, where it can be one of the user's: ``value`` itself
+    (a function or bound method), a ``functools.partial``'s function, a user object's bound
+    ``__call__`` (``LOSS = FocalLoss(gamma=2)``; its attribute reads are the object's); else None."""
+    while isinstance(value, functools.partial):
+        value = value.func
+    if isinstance(value, (types.FunctionType, types.MethodType)):
+        return value
+    if not isinstance(value, type) and _is_user_class(type(value)) and isinstance(getattr(type(value), "__call__", None), types.FunctionType):
+        return value.__call__
+    return None
 
 
 def code_reads(functions: list[Callable], depth: int = 4) -> list[PythonValue]:
@@ -577,12 +590,16 @@ def _cell_reader(cell: types.CellType) -> Callable[[], Any]:
 
 def forward_functions(model: nn.Module) -> list[Callable]:
     """The ``forward`` function of each distinct module class of ``model`` (and of an instance-level
-    ``forward``), for :func:`code_reads`."""
+    ``forward``), and the callables its modules hold as plain attributes (``self.act = swish``,
+    ``self.loss_fn = FocalLoss(gamma=2)``, a ``functools.partial``), for :func:`code_reads`."""
     found: dict[int, Callable] = {}
     for module in model.modules():
         fn = module.__dict__.get("forward") or getattr(type(module), "forward", None)
         if fn is not None:
             found.setdefault(id(getattr(fn, "__func__", fn)), fn)
+        for name, value in vars(module).items():
+            if name != "forward" and not isinstance(value, (nn.Module, torch.Tensor)) and (held := _callable_code(value)) is not None:
+                found.setdefault(id(getattr(held, "__func__", held)), held)
     return list(found.values())
 
 

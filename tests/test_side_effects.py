@@ -10,6 +10,7 @@ scenario of tests/loops.py.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -374,3 +375,71 @@ def test_a_value_a_method_reads_is_guarded(fake_mesh, called_from):
             assert (not torch.equal(_local(model.fc1.weight), before)) == (scale != 0.0), scale
     HELPER_SCALE = 1.0
     assert sum(map(len, step.cache.values())) == 2
+
+
+def _scale_by_global(h):
+    return h * HELPER_SCALE
+
+
+class ScaleByGlobal:
+    """A user callable object (an activation or loss object a model holds or a global names)."""
+
+    def __call__(self, h):
+        return h * HELPER_SCALE
+
+
+GLOBAL_ACTIVATION = ScaleByGlobal()
+GLOBAL_PARTIAL = functools.partial(_scale_by_global)
+
+
+class HoldsActivation(WithHelpers):
+    def __init__(self, activation):
+        super().__init__()
+        self.activation = activation
+
+    def forward(self, x):
+        act = self.activation if self.activation is not None else GLOBAL_ACTIVATION
+        return self.fc2(act(self.fc1(x)))
+
+
+class CallsGlobalPartial(WithHelpers):
+    def forward(self, x):
+        return self.fc2(GLOBAL_PARTIAL(self.fc1(x)))
+
+
+@pytest.mark.parametrize("held", ["attribute_function", "attribute_object", "global_object", "global_partial", "decorated_function"])
+def test_a_value_a_held_callable_reads_is_guarded(fake_mesh, held):
+    """The callable a module holds as an attribute, or a global names (a user object's ``__call__``, a
+    ``functools.partial``), reads HELPER_SCALE: 0 stops fc1's updates."""
+    global HELPER_SCALE
+    model = {
+        "attribute_function": lambda: HoldsActivation(_scale_by_global),
+        "attribute_object": lambda: HoldsActivation(ScaleByGlobal()),
+        "global_object": lambda: HoldsActivation(None),
+        "global_partial": CallsGlobalPartial,
+        "decorated_function": CallsDecorated,
+    }[held]()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = _compiled(fake_mesh, _train)
+    x = torch.randn(8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for scale in (1.0, 0.0):
+            HELPER_SCALE = scale
+            before = _local(model.fc1.weight).clone()
+            step(model, optimizer, x)
+            assert (not torch.equal(_local(model.fc1.weight), before)) == (scale != 0.0), scale
+    HELPER_SCALE = 1.0
+
+
+
+@torch.no_grad()
+def _no_grad_scale():
+    return HELPER_SCALE
+
+
+class CallsDecorated(WithHelpers):
+    """Calls a function behind a library decorator (``@torch.no_grad()`` wraps it in torch's code)."""
+
+    def forward(self, x):
+        return self.fc2(self.fc1(x) * _no_grad_scale())
