@@ -471,20 +471,38 @@ def _user_functions(functions: list[Callable], depth: int) -> Iterator[types.Fun
         seen.add(code)
         yield fn
         if level < depth:
-            todo += [(f, level + 1) for _, _, _, value, _ in _loaded_values(fn) if (f := _callable_code(value)) is not None]
+            todo += [(f, level + 1) for _, _, _, value, _ in _loaded_values(fn) for f in _callable_code(value)]
 
 
-def _callable_code(value: Any) -> Optional[Callable]:
-    """The Python function calling ``value`` runs, where it can be one of the user's: ``value`` itself
-    (a function or bound method), a ``functools.partial``'s function, a user object's bound
-    ``__call__`` (``LOSS = FocalLoss(gamma=2)``; its attribute reads are the object's); else None."""
+def _callable_code(value: Any) -> list[Callable]:
+    """The Python functions using ``value`` can run, where they can be the user's: ``value`` itself (a
+    function or bound method), a ``functools.partial``'s function, a user object's bound ``__call__``
+    (``LOSS = FocalLoss(gamma=2)``; its attribute reads are the object's), a user class's methods
+    (``GradReverse.apply(x)`` runs its ``forward`` and ``backward``); else none."""
     while isinstance(value, functools.partial):
         value = value.func
     if isinstance(value, (types.FunctionType, types.MethodType)):
-        return value
-    if not isinstance(value, type) and _is_user_class(type(value)) and isinstance(getattr(type(value), "__call__", None), types.FunctionType):
-        return value.__call__
-    return None
+        return [value]
+    if isinstance(value, type):
+        return [fn for _, fn in _class_functions([value])] if _is_user_class(value) else []
+    if _is_user_class(type(value)) and isinstance(getattr(type(value), "__call__", None), types.FunctionType):
+        return [value.__call__]
+    return []
+
+
+def _class_functions(classes: Sequence[type]) -> list[tuple[str, types.FunctionType]]:
+    """(name, function) of what the user's classes among ``classes`` and their bases define: methods,
+    and the functions of static and class methods and of properties."""
+    found = []
+    for cls in dict.fromkeys(c for k in classes for c in k.__mro__ if _is_user_class(c)):
+        for name, attr in vars(cls).items():
+            if isinstance(attr, (staticmethod, classmethod)):
+                attr = attr.__func__
+            elif isinstance(attr, property):
+                attr = attr.fget
+            if isinstance(attr, types.FunctionType):
+                found.append((name, attr))
+    return found
 
 
 def code_reads(functions: list[Callable], depth: int = 4) -> list[PythonValue]:
@@ -598,8 +616,9 @@ def forward_functions(model: nn.Module) -> list[Callable]:
         if fn is not None:
             found.setdefault(id(getattr(fn, "__func__", fn)), fn)
         for name, value in vars(module).items():
-            if name != "forward" and not isinstance(value, (nn.Module, torch.Tensor)) and (held := _callable_code(value)) is not None:
-                found.setdefault(id(getattr(held, "__func__", held)), held)
+            if name != "forward" and not isinstance(value, (nn.Module, torch.Tensor)):
+                for held in _callable_code(value):
+                    found.setdefault(id(getattr(held, "__func__", held)), held)
     return list(found.values())
 
 
@@ -622,14 +641,8 @@ def called_methods(functions: list[Callable], classes: Sequence[type], depth: in
     method of one of ``classes`` whose name the code uses as an attribute or global name counts as
     called (it may not be, which only adds guards). Returns them in the order found, each once."""
     by_name: dict[str, list[types.FunctionType]] = {}
-    for cls in dict.fromkeys(c for k in classes for c in k.__mro__ if _is_user_class(c)):
-        for name, attr in vars(cls).items():
-            if isinstance(attr, (staticmethod, classmethod)):
-                attr = attr.__func__
-            elif isinstance(attr, property):
-                attr = attr.fget
-            if isinstance(attr, types.FunctionType):
-                by_name.setdefault(name, []).append(attr)
+    for name, fn in _class_functions(classes):
+        by_name.setdefault(name, []).append(fn)
     found: list[types.FunctionType] = []
     followed: set[str] = set()
     seen: set = set()

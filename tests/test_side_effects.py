@@ -6,6 +6,10 @@ assigns a buffer would otherwise do so once, or keep a placeholder tensor, with 
 (spmd_expand.trace._settle_state_changes, spmd_expand.python_values.StateWatch). Tracing-only, on a
 fake 4-rank mesh; the parity of an assigned buffer on real gloo ranks is the ``buffer_assigned``
 scenario of tests/loops.py.
+
+The same holds for the Python the step reaches beyond its own code: the hooks it runs, the methods it
+or a ``forward`` calls by name, the callables a module holds, a custom ``autograd.Function``: what they
+change is reported or refused, and the values they read are guarded (a new value compiles again).
 """
 
 from __future__ import annotations
@@ -282,24 +286,36 @@ def _local(param):
     return param.to_local() if isinstance(param, DTensor) else param.detach()
 
 
-def test_a_value_a_gradient_hook_reads_is_guarded(fake_mesh):
-    """``lambda g: g * SCALE``: the trace bakes SCALE in; a new value compiles again, the same value
-    reuses the graph, and the updates follow the value (SCALE 0 leaves the weight as it is)."""
-    global GRADIENT_SCALE
-    model = _mlp()
-    model[0].weight.register_hook(_scale_gradient)
+def _updates_follow(fake_mesh, model, weight, set_scale, scales=(1.0, 0.0), step_fn=_train):
+    """Call the compiled step once per value in ``scales`` (set by ``set_scale``, a value the traced
+    Python reads): ``weight`` moves where the value is not 0 and stays where it is 0, so each call ran
+    a graph traced with its value. Returns the compiled step."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = _compiled(fake_mesh, _train)
+    step = _compiled(fake_mesh, step_fn)
     x = torch.randn(8, 8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for scale in (1.0, 0.0, 0.0, 1.0):
-            GRADIENT_SCALE = scale
-            before = _local(model[0].weight).clone()
-            step(model, optimizer, x)
-            moved = not torch.equal(_local(model[0].weight), before)
-            assert moved == (scale != 0.0), scale
-    GRADIENT_SCALE = 1.0
+        try:
+            for scale in scales:
+                set_scale(scale)
+                before = _local(weight).clone()
+                step(model, optimizer, x)
+                assert (not torch.equal(_local(weight), before)) == (scale != 0.0), scale
+        finally:
+            set_scale(1.0)
+    return step
+
+
+def _set_global(name):
+    return lambda value: globals().__setitem__(name, value)
+
+
+def test_a_value_a_gradient_hook_reads_is_guarded(fake_mesh):
+    """``lambda g: g * SCALE``: the trace bakes SCALE in; a new value compiles again, the same value
+    reuses the graph, and the updates follow the value (SCALE 0 leaves the weight as it is)."""
+    model = _mlp()
+    model[0].weight.register_hook(_scale_gradient)
+    step = _updates_follow(fake_mesh, model, model[0].weight, _set_global("GRADIENT_SCALE"), (1.0, 0.0, 0.0, 1.0))
     assert sum(map(len, step.cache.values())) == 2
 
 
@@ -316,16 +332,7 @@ class GradientScaler:
 def test_an_attribute_a_hook_object_reads_is_guarded(fake_mesh):
     model, scaler = _mlp(), GradientScaler()
     model[0].weight.register_hook(scaler)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = _compiled(fake_mesh, _train)
-    x = torch.randn(8, 8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for scale in (1.0, 0.0):
-            scaler.scale = scale
-            before = _local(model[0].weight).clone()
-            step(model, optimizer, x)
-            assert (not torch.equal(_local(model[0].weight), before)) == (scale != 0.0), scale
+    _updates_follow(fake_mesh, model, model[0].weight, lambda value: setattr(scaler, "scale", value))
 
 
 # Methods reached through an attribute (self.helper(x), model.compute_loss(...)), not a global: the
@@ -361,19 +368,9 @@ def _train_with_method(model, optimizer, x):
 def test_a_value_a_method_reads_is_guarded(fake_mesh, called_from):
     """HELPER_SCALE 0 stops fc1's updates (read in ``forward``'s ``self.scaled``) or every update (read
     in ``model.compute_loss``, which the step calls)."""
-    global HELPER_SCALE
     model = WithHelpers()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = _compiled(fake_mesh, _train_with_method if called_from == "step" else _train)
-    x = torch.randn(8, 8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for scale in (1.0, 0.0, 1.0):
-            HELPER_SCALE = scale
-            before = _local(model.fc1.weight).clone()
-            step(model, optimizer, x)
-            assert (not torch.equal(_local(model.fc1.weight), before)) == (scale != 0.0), scale
-    HELPER_SCALE = 1.0
+    step_fn = _train_with_method if called_from == "step" else _train
+    step = _updates_follow(fake_mesh, model, model.fc1.weight, _set_global("HELPER_SCALE"), (1.0, 0.0, 1.0), step_fn)
     assert sum(map(len, step.cache.values())) == 2
 
 
@@ -411,7 +408,6 @@ class CallsGlobalPartial(WithHelpers):
 def test_a_value_a_held_callable_reads_is_guarded(fake_mesh, held):
     """The callable a module holds as an attribute, or a global names (a user object's ``__call__``, a
     ``functools.partial``), reads HELPER_SCALE: 0 stops fc1's updates."""
-    global HELPER_SCALE
     model = {
         "attribute_function": lambda: HoldsActivation(_scale_by_global),
         "attribute_object": lambda: HoldsActivation(ScaleByGlobal()),
@@ -419,17 +415,7 @@ def test_a_value_a_held_callable_reads_is_guarded(fake_mesh, held):
         "global_partial": CallsGlobalPartial,
         "decorated_function": CallsDecorated,
     }[held]()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = _compiled(fake_mesh, _train)
-    x = torch.randn(8, 8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for scale in (1.0, 0.0):
-            HELPER_SCALE = scale
-            before = _local(model.fc1.weight).clone()
-            step(model, optimizer, x)
-            assert (not torch.equal(_local(model.fc1.weight), before)) == (scale != 0.0), scale
-    HELPER_SCALE = 1.0
+    _updates_follow(fake_mesh, model, model.fc1.weight, _set_global("HELPER_SCALE"))
 
 
 
@@ -443,3 +429,28 @@ class CallsDecorated(WithHelpers):
 
     def forward(self, x):
         return self.fc2(self.fc1(x) * _no_grad_scale())
+
+
+class ReverseGradient(torch.autograd.Function):
+    """Gradient reversal (Ganin and Lempitsky, 2015) scaled by a global, as domain-adaptation code
+    schedules it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * HELPER_SCALE
+
+
+class ReversesGradient(WithHelpers):
+    def forward(self, x):
+        return self.fc2(ReverseGradient.apply(self.fc1(x)))
+
+
+def test_a_value_an_autograd_function_reads_is_guarded(fake_mesh):
+    """``ReverseGradient.apply`` runs its class's ``backward``, which reads HELPER_SCALE: 0 stops fc1's
+    updates."""
+    model = ReversesGradient()
+    _updates_follow(fake_mesh, model, model.fc1.weight, _set_global("HELPER_SCALE"))
