@@ -695,9 +695,9 @@ def hooks(modules: Sequence[nn.Module], params: Sequence[torch.Tensor], optimize
 def hook_functions(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> tuple[list[Callable], list[Any]]:
     """The user's hooks that a traced step of ``model`` and ``optimizer`` can run (:func:`hooks`), for
     :func:`code_reads`, :class:`StateWatch` and :func:`code_prints`, as the model's ``forward``
-    functions are: ``(functions, objects)``. A ``functools.partial`` counts as its function; a bound
-    method as itself, with its ``self`` among ``objects``; a callable object as its bound ``__call__``,
-    with the object among ``objects``.
+    functions are: ``(functions, objects)``. The functions as :func:`_callable_code` finds them (a
+    partial's function, a user object's bound ``__call__``); a bound method's ``self`` and a callable
+    object are among ``objects``.
 
     A hook runs when the step is traced, not on every call: the globals and closure variables it reads
     must be guarded (``lambda g: g * SCALE`` baked ``SCALE`` in), and what it changes warned about or
@@ -709,15 +709,13 @@ def hook_functions(model: nn.Module, optimizer: Optional[torch.optim.Optimizer])
     for hook in found:
         if isinstance(hook, dict):
             continue
+        functions += _callable_code(hook)
         while isinstance(hook, functools.partial):
             hook = hook.func
         if isinstance(hook, types.MethodType):
             objects.append(hook.__self__)
-        elif not isinstance(hook, types.FunctionType):
+        elif not isinstance(hook, (types.FunctionType, type)):
             objects.append(hook)
-            hook = getattr(hook, "__call__", None)  # bound: its reads of ``self`` are followed
-        if hook is not None:
-            functions.append(hook)
     return functions, objects
 
 
