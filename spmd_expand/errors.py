@@ -7,8 +7,12 @@ and what to do about it.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
 from typing import Any, Sequence
 
+import torch
 import torch.fx as fx
 
 __all__ = [
@@ -78,6 +82,24 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+@functools.lru_cache(maxsize=None)
+def _own_directories() -> tuple[str, ...]:
+    """torch's directory and spmd_expand's (``spmd_expand.passes`` and ``.tools`` live beside the
+    package in a checkout), each ending in a separator."""
+    found = [os.path.dirname(torch.__file__)]
+    for name in ("spmd_expand", "spmd_expand.passes", "spmd_expand.tools"):
+        spec = importlib.util.find_spec(name)
+        found += list(spec.submodule_search_locations or ()) if spec is not None else []
+    return tuple(os.path.join(os.path.realpath(d), "") for d in found)
+
+
+@functools.lru_cache(maxsize=4096)
+def in_torch_or_spmd_expand(filename: str) -> bool:
+    """Whether ``filename`` is torch's or spmd_expand's own code: a file under their directories, not
+    any path that contains their names (a user's project may be called ``spmd_expand``)."""
+    return os.path.realpath(filename).startswith(_own_directories())
+
+
 def user_source_line(node: fx.Node) -> str:
     """The innermost frame of ``node.meta["stack_trace"]`` that is not torch's own code.
 
@@ -91,7 +113,7 @@ def user_source_line(node: fx.Node) -> str:
         if line.startswith("File "):
             code = frames[i + 1] if i + 1 < len(frames) and not frames[i + 1].startswith("File ") else ""
             located.append((line, code))
-    user = [(loc, code) for loc, code in located if "/torch/" not in loc and "/spmd_expand/" not in loc]
+    user = [(loc, code) for loc, code in located if not in_torch_or_spmd_expand(loc.split('"')[1] if loc.count('"') >= 2 else loc)]
     pick = (user or located or [("<unknown source>", "")])[-1]
     return f"{pick[0]}: {pick[1]}" if pick[1] else pick[0]
 

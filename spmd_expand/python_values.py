@@ -61,6 +61,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from .errors import in_torch_or_spmd_expand
+
 __all__ = [
     "GlobalState",
     "ModuleRead",
@@ -410,12 +412,12 @@ def _is_library(code: types.CodeType) -> bool:
 
 
 def _is_library_path(path: str) -> bool:
+    if path.startswith("<"):
+        return True
+    if in_torch_or_spmd_expand(path):
+        return True
     path = path.replace("\\", "/")
-    return (
-        "/site-packages/" in path or "/dist-packages/" in path or "/torch/" in path
-        or "/spmd_expand/" in path or path.startswith("<")
-        or path.startswith(sys.prefix) or path.startswith(sys.base_prefix)
-    )
+    return "/site-packages/" in path or "/dist-packages/" in path or path.startswith(sys.prefix) or path.startswith(sys.base_prefix)
 
 
 def _loads(code: types.CodeType) -> Iterator[tuple[str, str]]:

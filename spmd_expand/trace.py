@@ -69,7 +69,7 @@ from .python_values import (
     record_reads,
     settings_variables,
 )
-from .errors import TraceError, node_error, user_source_line
+from .errors import TraceError, in_torch_or_spmd_expand, node_error, user_source_line
 from .forms import equal_forms_patched, equal_valued_form
 from .functionalize import functionalize_graph, list_functional_twin, written_values
 from .loss_parallel import MarkLossParallel
@@ -1368,8 +1368,7 @@ def _library_frame(e: BaseException) -> str:
 
 
 def _is_library_file(filename: str) -> bool:
-    filename = filename.replace("\\", "/")
-    return "/torch/" in filename or "/spmd_expand/" in filename
+    return in_torch_or_spmd_expand(filename)
 
 
 def _raised_in_optimizer(e: BaseException) -> bool:

@@ -454,3 +454,37 @@ def test_a_value_an_autograd_function_reads_is_guarded(fake_mesh):
     updates."""
     model = ReversesGradient()
     _updates_follow(fake_mesh, model, model.fc1.weight, _set_global("HELPER_SCALE"))
+
+
+_PROJECT_STEP = '''
+import torch.nn.functional as F
+
+SCALE = 1.0
+
+
+def step(model, optimizer, x):
+    loss = model(x).pow(2).mean() * SCALE
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+'''
+
+
+def test_user_code_in_a_directory_named_spmd_expand_is_the_users(fake_mesh, tmp_path):
+    """A checkout of this project (or any project) called ``spmd_expand``: the step written there is
+    the user's code, whose values are guarded, not spmd_expand's own (which a path substring said)."""
+    import importlib.util
+
+    from spmd_expand.errors import in_torch_or_spmd_expand
+
+    path = tmp_path / "spmd_expand" / "train_step.py"
+    path.parent.mkdir()
+    path.write_text(_PROJECT_STEP)
+    spec = importlib.util.spec_from_file_location("project_train_step", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert not in_torch_or_spmd_expand(str(path))
+    assert in_torch_or_spmd_expand(spmd.__file__) and in_torch_or_spmd_expand(torch.__file__)
+    model = _mlp()
+    _updates_follow(fake_mesh, model, model[0].weight, lambda value: setattr(module, "SCALE", value), step_fn=module.step)
