@@ -761,7 +761,10 @@ def _is_user_object(value: Any) -> bool:
 
 def _is_user_class(cls: type) -> bool:
     """Whether ``cls`` is defined in the user's code (not torch, an installed package or the standard
-    library)."""
+    library): in the script or notebook being run (``__main__``, which has no file in a notebook), or
+    in a module whose file is not library code."""
+    if cls.__module__ == "__main__":
+        return True
     path = getattr(sys.modules.get(cls.__module__), "__file__", None)
     return path is not None and not _is_library_path(path)
 

@@ -488,3 +488,19 @@ def test_user_code_in_a_directory_named_spmd_expand_is_the_users(fake_mesh, tmp_
     assert in_torch_or_spmd_expand(spmd.__file__) and in_torch_or_spmd_expand(torch.__file__)
     model = _mlp()
     _updates_follow(fake_mesh, model, model[0].weight, lambda value: setattr(module, "SCALE", value), step_fn=module.step)
+
+
+class NotebookRecorder(ActivationRecorder):
+    """Defined in a notebook: its module is ``__main__``, which has no file there (here, ``__main__``
+    is pytest's, whose file is library code)."""
+
+
+NotebookRecorder.__module__ = "__main__"
+
+
+def test_a_hook_object_of_a_notebook_class_is_the_users(fake_mesh):
+    model, recorder = _mlp(), NotebookRecorder()
+    model[2].register_forward_hook(recorder)
+    with pytest.raises(spmd.TraceError, match=r"the hook object NotebookRecorder\.outputs"):
+        _call(fake_mesh, _train, model)
+    assert recorder.outputs == []
