@@ -435,7 +435,8 @@ def _loads(code: types.CodeType) -> Iterator[tuple[str, str]]:
 
 def _loaded_values(fn: types.FunctionType) -> Iterator[tuple[str, str, Any, Any, Callable[[], Any]]]:
     """(kind, name, identity key, value, reader) of each global / closure variable ``fn``'s code loads
-    and that exists now."""
+    and that exists now, and of the attributes of a user module among them that the code names
+    (``"module"``, :func:`_module_attributes`)."""
     code = fn.__code__
     cells = dict(zip(code.co_freevars, fn.__closure__ or ()))
     for kind, name in _loads(code):
@@ -443,6 +444,8 @@ def _loaded_values(fn: types.FunctionType) -> Iterator[tuple[str, str, Any, Any,
             scope = fn.__globals__
             if name in scope:
                 yield kind, name, (id(scope), name), scope[name], _global_reader(scope, name)
+                if _is_user_module(scope[name]):
+                    yield from _module_attributes(scope[name], code)
         else:
             cell = cells.get(name)
             if cell is None:
@@ -452,6 +455,21 @@ def _loaded_values(fn: types.FunctionType) -> Iterator[tuple[str, str, Any, Any,
             except ValueError:  # an empty cell (assigned later in the enclosing function)
                 continue
             yield kind, name, (id(cell), name), value, _cell_reader(cell)
+
+
+def _is_user_module(value: Any) -> bool:
+    """A Python module of the user's (``import config``, ``from project import layers``)."""
+    path = getattr(value, "__file__", None) if isinstance(value, types.ModuleType) else None
+    return path is not None and not _is_library_path(path)
+
+
+def _module_attributes(module: types.ModuleType, code: types.CodeType) -> Iterator[tuple[str, str, Any, Any, Callable[[], Any]]]:
+    """What :func:`_loaded_values` yields for the attributes of a user module that ``code`` may read
+    (``config.SCALE``, ``layers.attention``): each attribute of ``module`` whose name ``code`` uses."""
+    scope = vars(module)
+    for name in dict.fromkeys(_attribute_names(code)):
+        if name in scope and not name.startswith("__"):
+            yield "module", f"{module.__name__}.{name}", (id(scope), name), scope[name], _global_reader(scope, name)
 
 
 def _user_functions(functions: list[Callable], depth: int) -> Iterator[types.FunctionType]:
@@ -590,7 +608,10 @@ def code_prints(functions: list[Callable], depth: int = 4) -> list[str]:
 
 
 def _variable_label(kind: str, name: str, fn: types.FunctionType) -> str:
-    """How a warning or an error names a global (``kind == "global"``) or closure variable of ``fn``."""
+    """How a warning or an error names a global (``kind == "global"``), a user module's attribute
+    (``"module"``, ``name`` qualified) or a closure variable of ``fn``."""
+    if kind == "module":
+        return f"module attribute {name}"
     return f"global {name} of {fn.__module__}" if kind == "global" else f"closure variable {name} of {fn.__qualname__}"
 
 

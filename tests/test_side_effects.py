@@ -504,3 +504,41 @@ def test_a_hook_object_of_a_notebook_class_is_the_users(fake_mesh):
     with pytest.raises(spmd.TraceError, match=r"the hook object NotebookRecorder\.outputs"):
         _call(fake_mesh, _train, model)
     assert recorder.outputs == []
+
+
+_PROJECT_CONFIG = '''
+SCALE = 1.0
+
+
+def scale(h):
+    return h * SCALE
+'''
+
+
+class ReadsConfigModule(WithHelpers):
+    def __init__(self, through_function):
+        super().__init__()
+        self.through_function = through_function
+
+    def forward(self, x):
+        h = self.fc1(x)
+        return self.fc2(PROJECT_CONFIG.scale(h) if self.through_function else h * PROJECT_CONFIG.SCALE)
+
+
+PROJECT_CONFIG = None  # the user's module, loaded by the test
+
+
+@pytest.mark.parametrize("through_function", [False, True], ids=["attribute", "function"])
+def test_a_value_a_user_module_holds_is_guarded(fake_mesh, tmp_path, through_function):
+    """``import config`` then ``config.SCALE`` (or ``config.scale(h)``, which reads its module's
+    SCALE) in a forward: a user module's attributes are followed as globals are."""
+    import importlib.util
+
+    global PROJECT_CONFIG
+    path = tmp_path / "project_config.py"
+    path.write_text(_PROJECT_CONFIG)
+    spec = importlib.util.spec_from_file_location("project_config", path)
+    PROJECT_CONFIG = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(PROJECT_CONFIG)
+    model = ReadsConfigModule(through_function)
+    _updates_follow(fake_mesh, model, model.fc1.weight, lambda value: setattr(PROJECT_CONFIG, "SCALE", value))
