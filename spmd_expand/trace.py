@@ -626,7 +626,7 @@ def _assign_data(tensor: torch.Tensor, value: Any) -> None:
             if isinstance(value, torch.Tensor)
             else f"a {type(value).__name__}"
         )
-        frames = [f for f in traceback.extract_stack() if not _is_library_file(f.filename)]
+        frames = [f for f in traceback.extract_stack() if not in_torch_or_spmd_expand(f.filename)]
         where = f'File "{frames[-1].filename}", line {frames[-1].lineno}: {(frames[-1].line or "").strip()}' if frames else "<unknown source>"
         raise TraceError(
             f"the train step at {where} assigns {shown} to the .data of a {tensor.dtype} tensor of shape "
@@ -1276,7 +1276,7 @@ _NON_FAKE_INPUT = "Please convert all Tensors to FakeTensors first"
 
 def _user_frame(e: BaseException) -> str:
     """The innermost frame of ``e``'s traceback outside torch and spmd_expand: ``file:line: source``."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if not _is_library_file(f.filename)]
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not in_torch_or_spmd_expand(f.filename)]
     if not frames:
         return "<unknown source>"
     f = frames[-1]
@@ -1354,7 +1354,7 @@ def _library_frame(e: BaseException) -> str:
     user's innermost frame that is torch code outside its tracing machinery (e.g.
     ``torch/amp/grad_scaler.py`` in ``_maybe_opt_step``), or ``""``."""
     frames = list(traceback.extract_tb(e.__traceback__))
-    user = [i for i, f in enumerate(frames) if not _is_library_file(f.filename)]
+    user = [i for i, f in enumerate(frames) if not in_torch_or_spmd_expand(f.filename)]
     below = frames[user[-1] + 1:] if user else []
     tracing = ("/torch/fx/", "/torch/_subclasses/", "/torch/_ops.py", "/torch/utils/", "/torch/_prims", "/torch/_refs",
                "/torch/_decomp", "/torch/_meta_registrations", "/torch/_library", "/torch/_compile", "/torch/_dynamo",
@@ -1367,17 +1367,13 @@ def _library_frame(e: BaseException) -> str:
     return f", inside torch/{path.split('/torch/', 1)[1]} in {name}"
 
 
-def _is_library_file(filename: str) -> bool:
-    return in_torch_or_spmd_expand(filename)
-
-
 def _raised_in_optimizer(e: BaseException) -> bool:
     """Whether ``e`` was raised inside ``Optimizer.step()``: below the user's innermost frame there are
     only torch's and spmd_expand's own frames (tracing hooks), and among them the step wrappers of
     ``torch/optim/optimizer.py`` (every ``torch.optim`` optimizer's ``step`` runs through them; other
     code of ``torch.optim``, such as ``swa_utils.AveragedModel.update_parameters``, does not)."""
     files = [f.filename.replace("\\", "/") for f in traceback.extract_tb(e.__traceback__)]
-    user = [i for i, f in enumerate(files) if not _is_library_file(f)]
+    user = [i for i, f in enumerate(files) if not in_torch_or_spmd_expand(f)]
     below = files[user[-1] + 1:] if user else files
     return any(f.endswith("/torch/optim/optimizer.py") for f in below)
 
