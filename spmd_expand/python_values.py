@@ -496,18 +496,20 @@ def _user_functions(functions: list[Callable], depth: int) -> Iterator[types.Fun
 
 def _callable_code(value: Any) -> list[Callable]:
     """The Python functions using ``value`` can run, where they can be the user's: ``value`` itself (a
-    function or bound method), a ``functools.partial``'s function, a user object's bound ``__call__``
-    (``LOSS = FocalLoss(gamma=2)``; its attribute reads are the object's), a user class's methods
-    (``GradReverse.apply(x)`` runs its ``forward`` and ``backward``); else none."""
+    function or bound method), a ``functools.partial``'s function, a user object's methods, bound
+    (``LOSS = FocalLoss(gamma=2)`` runs its ``__call__``, ``trainer.loss(out, y)`` its ``loss``; their
+    attribute reads are the object's), a user class's methods (``GradReverse.apply(x)`` runs its
+    ``forward`` and ``backward``); else none."""
     while isinstance(value, functools.partial):
         value = value.func
     if isinstance(value, (types.FunctionType, types.MethodType)):
         return [value]
     if isinstance(value, type):
         return [fn for _, fn in _class_functions([value])] if _is_user_class(value) else []
-    if _is_user_class(type(value)) and isinstance(getattr(type(value), "__call__", None), types.FunctionType):
-        return [value.__call__]
-    return []
+    if isinstance(value, types.ModuleType) or not _is_user_class(type(value)):
+        return []
+    # A user object: its methods, bound (``trainer.loss(out, y)``; ``__call__`` among them).
+    return [types.MethodType(fn, value) for _, fn in _class_functions([type(value)])]
 
 
 def _class_functions(classes: Sequence[type]) -> list[tuple[str, types.FunctionType]]:

@@ -542,3 +542,26 @@ def test_a_value_a_user_module_holds_is_guarded(fake_mesh, tmp_path, through_fun
     spec.loader.exec_module(PROJECT_CONFIG)
     model = ReadsConfigModule(through_function)
     _updates_follow(fake_mesh, model, model.fc1.weight, lambda value: setattr(PROJECT_CONFIG, "SCALE", value))
+
+
+class LossComputer:
+    """A user object the step calls a method of (a trainer's ``compute_loss``), reached through a global."""
+
+    def weighted(self, loss):
+        return loss * HELPER_SCALE
+
+
+LOSS_COMPUTER = LossComputer()
+
+
+def _train_with_global_object(model, optimizer, x):
+    loss = LOSS_COMPUTER.weighted(model(x).pow(2).mean())
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_a_value_a_global_objects_method_reads_is_guarded(fake_mesh):
+    model = _mlp()
+    _updates_follow(fake_mesh, model, model[0].weight, _set_global("HELPER_SCALE"), step_fn=_train_with_global_object)
