@@ -913,13 +913,16 @@ class StateWatch:
                 self._watch(module, f"model.{fqn}" if fqn else "model", True, not _is_user_class(type(module)), seen, 1)
 
     def _watch(self, obj: Any, label: str, in_module: bool, library: bool, seen: set, depth: int) -> None:
-        attributes = isinstance(obj, nn.Module) if in_module else _is_user_object(obj)
+        # A user module's plain attributes include the user's own objects (``self.criterion =
+        # FocalLoss()``): watched as a global's are, with one more level (their lists).
+        held = in_module and not library and depth >= 0 and not isinstance(obj, nn.Module) and _is_user_object(obj)
+        attributes = isinstance(obj, nn.Module) or held if in_module else _is_user_object(obj)
         if (not attributes and not isinstance(obj, _CONTAINERS)) or id(obj) in seen:
             return
         seen.add(id(obj))
         snap = _snapshot(obj)
         self._watched.append((label, in_module, library, obj, snap))
-        if depth > 0:
+        if depth > 0 or held:
             for key, child in snap.items() if isinstance(snap, dict) else enumerate(snap):
                 if not isinstance(child, nn.Module):
                     self._watch(child, f"{label}.{key}" if attributes else f"{label}[{key!r}]", in_module, library, seen, depth - 1)

@@ -565,3 +565,40 @@ def _train_with_global_object(model, optimizer, x):
 def test_a_value_a_global_objects_method_reads_is_guarded(fake_mesh):
     model = _mlp()
     _updates_follow(fake_mesh, model, model[0].weight, _set_global("HELPER_SCALE"), step_fn=_train_with_global_object)
+
+
+class LossRecorder:
+    """A user object a module holds (``self.criterion = ...``) that keeps each loss it computes."""
+
+    def __init__(self):
+        self.history = []
+
+    def __call__(self, out):
+        loss = out.pow(2).mean()
+        self.history.append(loss.detach())
+        return loss
+
+
+class HoldsRecorder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.criterion = LossRecorder()
+
+    def forward(self, x):
+        return self.criterion(self.fc(x))
+
+
+def _train_on_returned_loss(model, optimizer, x):
+    loss = model(x)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_a_tensor_kept_by_an_object_a_module_holds_is_undone_with_a_warning(fake_mesh):
+    model = HoldsRecorder()
+    messages = _call(fake_mesh, _train_on_returned_loss, model)
+    assert model.criterion.history == []  # no placeholder (FakeTensor) left behind
+    assert any("model.criterion.history (0 -> 1 items)" in m and "undone" in m for m in messages), messages
