@@ -288,7 +288,7 @@ class ViewExpandModel(nn.Module):
         return g.pow(2).mean()
 
 
-def _scalar_step(model, optimizer, x):
+def scalar_step(model, optimizer, x):
     loss = model(x)
     loss.backward()
     optimizer.step()
@@ -359,12 +359,12 @@ CASES: dict[str, Case] = {
     "explicit_renorm": Case(ExplicitRenorm, "sgd", lambda g: (torch.randint(0, 32, (GLOBAL_BATCH, 6), generator=g), torch.randint(0, 4, (GLOBAL_BATCH,), generator=g)), cross_entropy_step),
     "arange": Case(ArangeModel, "sgd", _xy, cross_entropy_step),
     "batch_order_statistics": Case(BatchOrderStatistics, "sgd", _xy, cross_entropy_step),
-    "sym_numel": Case(NumelModel, "sgd", _x, _scalar_step),
-    "stride": Case(StrideModel, "sgd", _x, _scalar_step),
-    "stack": Case(StackModel, "sgd", _x, _scalar_step),
-    "slice": Case(SliceModel, "sgd", _x, _scalar_step),
-    "cat100": Case(Cat100Model, "sgd", _x, _scalar_step),
-    "view_expand": Case(ViewExpandModel, "sgd", _x, _scalar_step),
+    "sym_numel": Case(NumelModel, "sgd", _x, scalar_step),
+    "stride": Case(StrideModel, "sgd", _x, scalar_step),
+    "stack": Case(StackModel, "sgd", _x, scalar_step),
+    "slice": Case(SliceModel, "sgd", _x, scalar_step),
+    "cat100": Case(Cat100Model, "sgd", _x, scalar_step),
+    "view_expand": Case(ViewExpandModel, "sgd", _x, scalar_step),
 }
 
 

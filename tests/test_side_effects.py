@@ -589,16 +589,8 @@ class HoldsRecorder(nn.Module):
         return self.criterion(self.fc(x))
 
 
-def _train_on_returned_loss(model, optimizer, x):
-    loss = model(x)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
-
-
 def test_a_tensor_kept_by_an_object_a_module_holds_is_undone_with_a_warning(fake_mesh):
     model = HoldsRecorder()
-    messages = _call(fake_mesh, _train_on_returned_loss, model)
+    messages = _call(fake_mesh, cases.scalar_step, model)
     assert model.criterion.history == []  # no placeholder (FakeTensor) left behind
     assert any("model.criterion.history (0 -> 1 items)" in m and "undone" in m for m in messages), messages
