@@ -22,6 +22,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from . import optimizer_state
 from .errors import SpmdError, TraceError
 from .expand import RedistributeCache
 from .guards import CallState, ObjectIds, Snapshot, batch_problems, cache_key, check_batch, initialize_optimizer_state, is_dense, snapshot
@@ -211,7 +212,7 @@ class CompiledStep:
                 add(InputRole("grad", fqn), p.grad.shape, p.grad, p.grad.placements)
         if optimizer is not None:
             for fqn, p in params.items():
-                for key, v in optimizer.state.get(p, {}).items():
+                for key, v in optimizer_state.param_state(optimizer, p).items():
                     if isinstance(v, DTensor):
                         add(InputRole("state", fqn, key), v.shape, v, v.placements)
         for i, t in enumerate(batch_leaves):
@@ -449,6 +450,7 @@ class CompiledStep:
         if (
             len(traced.outputs) == traced.return_is_tensor.count(True) and not traced.cleared_grads
             and not traced.state_writes and not traced.group_writes and not traced.mode_writes
+            and not traced.python_writes
         ):
             # Only the user's values (the steady state: states updated in place, gradients cleared
             # by zero_grad before the step ended).
@@ -462,17 +464,19 @@ class CompiledStep:
             dt = DTensor.from_local(value, self.mesh, out_node_spec.placements, run_check=False,
                                     shape=out_node_spec.tensor_meta.shape, stride=out_node_spec.tensor_meta.stride)
             if role.kind == "state":
-                optimizer.state[params[role.fqn]][role.key] = dt
+                optimizer_state.set_state(optimizer, params[role.fqn], role.key, dt)
             else:
                 params[role.fqn].grad = dt
         for fqn in traced.cleared_grads:
             params[fqn].grad = None
         for fqn, key, value in traced.state_writes:
-            optimizer.state[params[fqn]][key] = value
+            optimizer_state.set_state(optimizer, params[fqn], key, value)
         for index, key, value in traced.group_writes:
             optimizer.param_groups[index][key] = value
         for fqn, training in traced.mode_writes:
             model.get_submodule(fqn).training = training
+        for assign in traced.python_writes:
+            assign()
         return pytree.tree_unflatten(_fill(returns, traced.return_is_tensor), traced.return_spec)
 
 

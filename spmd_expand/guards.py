@@ -66,6 +66,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
+from . import optimizer_state
 from .errors import BatchError, CollectiveError, DivergenceError, first_line
 from .plans import ResolvedPlan
 from .python_values import MODULE_HOOKS, TENSOR_HOOKS, hooks
@@ -135,7 +136,7 @@ def cache_key(
         )
         state = tuple(
             (fqn_of.get(id(p), "?"), tuple((k, _setting(v)) for k, v in st.items() if not isinstance(v, torch.Tensor)))
-            for p, st in optimizer.state.items()
+            for p, st in optimizer_state.items(optimizer)
         )
     hook_objects, hook_counts = hooks(list(model.modules()), list(model.parameters()), optimizer)
     hook_key = (tuple(id(h) if isinstance(h, dict) else ids(h) for h in hook_objects), tuple(hook_counts))
@@ -234,13 +235,15 @@ def _snapshot(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> S
     states: list = []
     if optimizer is not None:
         groups = optimizer.param_groups
-        objects += [groups, optimizer.state, *groups]
+        objects += [groups, *groups]
         for group in groups:
             objects += group["params"]
             values.append(len(group["params"]))
             values += [(key, _setting_kind(value)) for key, value in group.items() if key != "params"]
-        held = list(optimizer.state.values())
-        objects += optimizer.state.keys()
+        for _, holder in optimizer_state.holders(optimizer):
+            objects.append(holder.state)
+            objects += holder.state.keys()
+        held = list(itertools.chain.from_iterable(h.state.values() for _, h in optimizer_state.holders(optimizer)))
         objects += held
         values += map(tuple, held)
         states = list(itertools.chain.from_iterable(map(dict.values, held)))
@@ -730,19 +733,31 @@ def initialize_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimize
     from later ones (SGD creates its momentum buffer from the first gradient), keep their lazy state:
     their second call compiles the steady-state graph.
 
-    Returns whether any state was created. ``attempted`` (ids of parameters already tried) is updated.
+    An optimizer that wraps another (timm's ``Lookahead``) has its base optimizer's state created so
+    (:mod:`spmd_expand.optimizer_state`).
+
+    Returns whether any state was created. ``attempted`` (ids of (optimizer, parameter) pairs already
+    tried) is updated.
     """
+    created = False
+    for _, holder in optimizer_state.holders(optimizer):
+        created = _initialize_state(holder, attempted) or created
+    return created
+
+
+def _initialize_state(optimizer: torch.optim.Optimizer, attempted: set) -> bool:
     init_group = getattr(type(optimizer), "_init_group", None)
     if init_group is None:
         return False
     created = False
     for group in optimizer.param_groups:
         todo = [
-            p for p in group["params"] if p.requires_grad and not optimizer.state.get(p) and id(p) not in attempted
+            p for p in group["params"]
+            if p.requires_grad and not optimizer.state.get(p) and (id(optimizer), id(p)) not in attempted
         ]
         if not todo:
             continue
-        attempted.update(id(p) for p in todo)
+        attempted.update((id(optimizer), id(p)) for p in todo)
         saved_groups = optimizer.param_groups
         saved_grads = [p.grad for p in todo]
 

@@ -61,6 +61,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from . import optimizer_state
 from .errors import in_torch_or_spmd_expand
 
 __all__ = [
@@ -329,7 +330,7 @@ def record_reads(model: nn.Module, held: Sequence[tuple[str, Any, Callable[[], A
             if attr not in _MODULE_OWN and is_settings_object(value):
                 holders.setdefault(id(value), (value, ("module", module, fqn, attr)))
     for description, value, reader in held:
-        if is_settings_object(value):
+        if is_settings_object(value) or isinstance(value, torch.optim.Optimizer):  # user_optimizers
             holders.setdefault(id(value), (value, ("global", description, reader)))
     swapped: list = []
     reads: dict = {}
@@ -708,13 +709,31 @@ def hooks(modules: Sequence[nn.Module], params: Sequence[torch.Tensor], optimize
         module_hooks._global_backward_pre_hooks, module_hooks._global_backward_hooks,
     ]
     if optimizer is not None:
+        # An optimizer that wraps another without calling ``Optimizer.__init__`` (timm's Lookahead)
+        # has no step hooks of its own.
         places += (
-            optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks,
+            getattr(optimizer, "_optimizer_step_pre_hooks", None), getattr(optimizer, "_optimizer_step_post_hooks", None),
             optimizer_hooks._global_optimizer_pre_hooks, optimizer_hooks._global_optimizer_post_hooks,
         )
     chain = itertools.chain.from_iterable
     dicts = list(filter(None, itertools.chain(places, chain(map(MODULE_HOOKS, modules)), chain(map(TENSOR_HOOKS, params)))))
     return dicts + [h for d in dicts for h in d.values()], [len(d) for d in dicts]
+
+
+def user_optimizers(optimizer: Optional[torch.optim.Optimizer]) -> list[tuple[str, torch.optim.Optimizer]]:
+    """``(description, optimizer)`` for ``optimizer`` and each optimizer it wraps
+    (:func:`spmd_expand.optimizer_state.holders`) whose class is the user's: a Lookahead written in
+    the user's code, which counts its steps in an attribute (``self._la_step += 1``) and syncs every
+    k-th. Their attribute reads are guarded (:func:`record_reads`) and their changes watched
+    (:class:`StateWatch`) like a settings object's; torch's optimizers keep their settings in param
+    groups, which are graph inputs or part of the cache key."""
+    if optimizer is None:
+        return []
+    return [
+        (f"the {type(holder).__qualname__} optimizer{f' (optimizer.{prefix[:-1]})' if prefix else ''}", holder)
+        for prefix, holder in optimizer_state.holders(optimizer)
+        if _is_user_class(type(holder))
+    ]
 
 
 def hook_functions(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> tuple[list[Callable], list[Any]]:
@@ -755,7 +774,14 @@ class StateChange:
     global or closure container (``LOSSES.append(loss)``, ``STATS["n"] += 1``), an attribute of a user
     object such a variable holds, or a plain attribute of one of the model's modules
     (``self.cache = t``, ``self.calls += 1``). ``traced`` is true when the new value holds a tensor or a
-    symbolic size of the trace, which exist only while tracing; ``undo()`` puts the old contents back."""
+    symbolic size of the trace, which exist only while tracing; ``undo()`` puts the old contents back.
+
+    ``replay``, where the change is assignments of Python scalars to attributes or variables
+    (``self.calls += 1``, ``self.phase = (self.phase + 1) % k``, ``global STEP; STEP += 1``), makes the
+    same assignments again. The graph runs only where every value the trace read is what it read (its
+    guards), so these values are what the step's Python would assign on that call: storing them after
+    each run keeps a counter the step reads in step with one device's (a cycle of values reuses cached
+    graphs, whose Python does not run)."""
 
     description: str
     detail: str
@@ -764,6 +790,7 @@ class StateChange:
     # In a module whose class is library code (torch's, an installed package's): its own bookkeeping.
     in_library_module: bool
     undo: Callable[[], None]
+    replay: Optional[Callable[[], None]] = None
 
 
 def _is_traced(value: Any) -> bool:
@@ -862,6 +889,20 @@ def _difference(old: Any, new: Any, attributes: bool = False) -> Optional[tuple[
     return ", ".join(parts) + (f" (and {len(keys) - 3} more)" if len(keys) > 3 else ""), [new[k] for k in keys if k in new]
 
 
+def _scalar_assignments(old: dict, new: dict) -> Optional[dict]:
+    """The changed entries of an object's attributes (or a variable) when every one of them is now a
+    Python scalar (nothing deleted, no container or object assigned); None otherwise."""
+    changed = {k: new.get(k, _MISSING) for k in {**old, **new} if k not in old or k not in new or not _unchanged(old[k], new[k])}
+    return changed if all(v is not _MISSING and is_scalar(v) for v in changed.values()) else None
+
+
+def _assign(obj: Any, values: dict) -> None:
+    if isinstance(obj, _Variable):
+        obj.restore({**obj.items(), **values})
+    else:
+        vars(obj).update(values)
+
+
 def _restore(obj: Any, old: Any) -> None:
     if isinstance(obj, _Variable):
         obj.restore(old)
@@ -887,9 +928,17 @@ class StateWatch:
     them), the containers and user objects inside those (one level), and the plain attributes of
     ``model``'s modules and the containers they hold. Shallow: each watched object's own items and
     attributes are compared by identity (scalars by value). ``objects``: more user objects to watch
-    (the objects of hooks, :func:`hook_functions`)."""
+    (the objects of hooks, :func:`hook_functions`), and ``labelled``: ``(label, object)`` of user
+    objects watched under that label (a user optimizer class, :func:`user_optimizers`)."""
 
-    def __init__(self, functions: list[Callable], model: Optional[nn.Module], depth: int = 4, objects: Sequence[Any] = ()) -> None:
+    def __init__(
+        self,
+        functions: list[Callable],
+        model: Optional[nn.Module],
+        depth: int = 4,
+        objects: Sequence[Any] = (),
+        labelled: Sequence[tuple[str, Any]] = (),
+    ) -> None:
         # (description, in a module, in a library module, object, snapshot)
         self._watched: list[tuple[str, bool, bool, Any, Any]] = []
         seen: set = set()
@@ -897,6 +946,8 @@ class StateWatch:
         for obj in objects:  # a hook's object (hook_functions): its attributes, as a global's
             if not isinstance(obj, nn.Module):
                 self._watch(obj, f"the hook object {type(obj).__qualname__}", False, False, seen, 1)
+        for label, obj in labelled:
+            self._watch(obj, label, False, False, seen, 1, attributes=True)
         for fn in _user_functions(functions, depth):
             for kind, name, _, value, _ in _loaded_values(fn):
                 label = _variable_label(kind, name, fn)
@@ -912,11 +963,13 @@ class StateWatch:
             for fqn, module in model.named_modules():
                 self._watch(module, f"model.{fqn}" if fqn else "model", True, not _is_user_class(type(module)), seen, 1)
 
-    def _watch(self, obj: Any, label: str, in_module: bool, library: bool, seen: set, depth: int) -> None:
+    def _watch(
+        self, obj: Any, label: str, in_module: bool, library: bool, seen: set, depth: int, attributes: bool = False
+    ) -> None:
         # A user module's plain attributes include the user's own objects (``self.criterion =
         # FocalLoss()``): watched as a global's are, with one more level (their lists).
         held = in_module and not library and depth >= 0 and not isinstance(obj, nn.Module) and _is_user_object(obj)
-        attributes = isinstance(obj, nn.Module) or held if in_module else _is_user_object(obj)
+        attributes = attributes or (isinstance(obj, nn.Module) or held if in_module else _is_user_object(obj))
         if (not attributes and not isinstance(obj, _CONTAINERS)) or id(obj) in seen:
             return
         seen.add(id(obj))
@@ -931,11 +984,14 @@ class StateWatch:
         """What differs from the snapshots now, one :class:`StateChange` per changed object."""
         found = []
         for label, in_module, library, obj, old in self._watched:
-            diff = _difference(old, _snapshot(obj), attributes=not isinstance(obj, _CONTAINERS))
+            new = _snapshot(obj)
+            diff = _difference(old, new, attributes=not isinstance(obj, _CONTAINERS))
             if diff is not None:
                 what, added = diff
+                assigned = None if isinstance(obj, _CONTAINERS) else _scalar_assignments(old, new)
+                replay = None if assigned is None else functools.partial(_assign, obj, assigned)
                 found.append(StateChange(label, what, any(_is_traced(v) for v in added), in_module, library,
-                                         lambda obj=obj, old=old: _restore(obj, old)))
+                                         lambda obj=obj, old=old: _restore(obj, old), replay))
         return found
 
 

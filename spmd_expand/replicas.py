@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from . import optimizer_state
 from .errors import DivergenceError, SpmdError
 from .guards import CallState, check_batch, mesh_group, replica_disagreement
 
@@ -44,7 +45,7 @@ def _state_tensors(model: nn.Module, optimizer: Optional[torch.optim.Optimizer])
     for g, group in enumerate(optimizer.param_groups):
         for i, p in enumerate(group["params"]):
             where = fqns.get(id(p), f"param_groups[{g}]['params'][{i}]")
-            for key, value in optimizer.state.get(p, {}).items():
+            for key, value in optimizer_state.param_state(optimizer, p).items():
                 if isinstance(value, torch.Tensor):
                     yield f"optimizer state [{where}][{key!r}]", value
 

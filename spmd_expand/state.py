@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import optimizer_state
 from .errors import PlanError, TraceError
 from .guards import check_state_distribution, mesh_group, not_dense_problem
 from .plans import ResolvedPlan
@@ -80,8 +81,9 @@ def _rebind_parameters(model: nn.Module, optimizer: Optional[torch.optim.Optimiz
                 if id(p) in new:
                     old = p
                     group["params"][i] = new[id(p)]
-                    if old in optimizer.state:
-                        optimizer.state[new[id(old)]] = optimizer.state.pop(old)
+                    for _, holder in optimizer_state.holders(optimizer):
+                        if old in holder.state:
+                            holder.state[new[id(old)]] = holder.state.pop(old)
 
 
 # Each DTensor parameter's wrapper storage and local tensor, as distribute_state last saw them, kept
@@ -180,7 +182,8 @@ def distribute_state(
     if optimizer is not None:
         plain = [
             (p, st, key, v)
-            for p, st in optimizer.state.items()
+            for _, holder in optimizer_state.holders(optimizer)
+            for p, st in holder.state.items()
             for key, v in st.items()
             if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
         ]

@@ -52,7 +52,7 @@ from torch.nn.utils import stateless
 from torch.overrides import TorchFunctionMode
 from torch.utils._sympy.symbol import SymT, symbol_is_type
 
-from . import ops
+from . import ops, optimizer_state
 from .boundaries import mark_boundaries, mark_sequence_first
 from .python_values import (
     GlobalState,
@@ -68,6 +68,7 @@ from .python_values import (
     hook_functions,
     record_reads,
     settings_variables,
+    user_optimizers,
 )
 from .errors import TraceError, in_torch_or_spmd_expand, node_error, user_source_line
 from .forms import equal_forms_patched, equal_valued_form
@@ -231,6 +232,9 @@ class TracedStep:
     # Submodules whose train()/eval() mode the step set, (fqn, training): set again after every run of
     # the graph (the mode before the call is part of its cache key, so the mode after is fixed).
     mode_writes: list[tuple[str, bool]] = field(default_factory=list)
+    # Python scalars the step assigned to attributes and variables (StateChange.replay): assigned again
+    # after every run of the graph, which runs only on the values it read when it was traced.
+    python_writes: list[Callable[[], None]] = field(default_factory=list)
 
     @functools.cached_property
     def mutated_batch_leaves(self) -> frozenset[int]:
@@ -504,16 +508,37 @@ class _StepMode(TorchFunctionMode):
         self._unshard: dict[tuple[int, bool, int], torch.Tensor] = {}
         self._marked: dict[int, tuple[torch.Tensor, int]] = {}  # id(param) -> (marked grad, its version)
 
-    def optimizer_hooks(self, optimizer: torch.optim.Optimizer) -> list:
-        """Hooks that tell the mode when ``optimizer.step()`` runs (its reads are not the model's)."""
+    @contextlib.contextmanager
+    def optimizer_step(self, optimizer: Optional[torch.optim.Optimizer]) -> Iterator[None]:
+        """While ``optimizer.step()`` runs, the mode knows that its reads are the optimizer's, not the
+        model's.
 
-        def enter(*_):
+        Wraps the instance's ``step`` rather than registering step hooks: an optimizer that wraps
+        another without calling ``Optimizer.__init__`` (timm's ``Lookahead``) has no hooks. A ``step``
+        the instance already holds (an LR scheduler's counting wrapper) is wrapped and put back.
+        """
+        if optimizer is None:
+            yield
+            return
+        held = vars(optimizer).get("step")
+        original = optimizer.step
+
+        @functools.wraps(original)
+        def step(*args, **kwargs):
             self.in_optimizer += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.in_optimizer -= 1
 
-        def leave(*_):
-            self.in_optimizer -= 1
-
-        return [optimizer.register_step_pre_hook(enter), optimizer.register_step_post_hook(leave)]
+        optimizer.step = step
+        try:
+            yield
+        finally:
+            if held is None:
+                del optimizer.step
+            else:
+                optimizer.step = held
 
     def mark_read(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         """Record that ``grad`` (an input gradient) already has the plan's placement."""
@@ -719,8 +744,9 @@ def _optimizer_on(
         return
     saved_params = [g["params"] for g in optimizer.param_groups]
     saved_settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    saved_state = optimizer.state
-    traced_state: collections.defaultdict = collections.defaultdict(dict)
+    holders = [holder for _, holder in optimizer_state.holders(optimizer)]
+    saved_states = [holder.state for holder in holders]
+    traced_states: dict[int, collections.defaultdict] = {id(holder): collections.defaultdict(dict) for holder in holders}
     for group in optimizer.param_groups:
         group["params"] = [swap[id(p)] for p in group["params"]]
     for hp, value in zip(hyperparameters, values):
@@ -735,8 +761,13 @@ def _optimizer_on(
             group[hp.key] = tuple(value if i == hp.index else v for i, v in enumerate(group[hp.key]))
     traced_settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     for pid, st in states.items():
-        traced_state[swap[pid]] = st
-    optimizer.state = traced_state
+        if not st:
+            traced_states[id(optimizer)][swap[pid]] = {}  # an empty state stays
+        for key, value in st.items():
+            holder, own = optimizer_state.split_key(optimizer, key)
+            traced_states[id(holder)][swap[pid]][own] = value
+    for holder in holders:
+        holder.state = traced_states[id(holder)]
     try:
         yield
         for i, (group, expected) in enumerate(zip(optimizer.param_groups, traced_settings)):
@@ -760,7 +791,8 @@ def _optimizer_on(
                     f"scheduler.step() after the compiled step); their values are read on every call"
                 )
     finally:
-        optimizer.state = saved_state
+        for holder, saved in zip(holders, saved_states):
+            holder.state = saved
         for group, params, settings in zip(optimizer.param_groups, saved_params, saved_settings):
             group["params"] = params
             for key in [k for k in group if k != "params" and k not in settings]:
@@ -908,7 +940,7 @@ def trace_step(
         )
         states: dict[int, dict[str, Any]] = {}
         if optimizer is not None:
-            for p, st in optimizer.state.items():
+            for p, st in optimizer_state.items(optimizer):
                 # Non-tensor state (e.g. SGD's momentum_buffer=None) is carried over as is.
                 states[id(p)] = {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}
         for r, t in by_role.items():
@@ -928,29 +960,24 @@ def trace_step(
         call_args, call_kwargs = pytree.tree_unflatten(new_leaves, tree)
 
         # The module and the optimizer hold the same leaves; _StepMode marks where they are read.
-        hooks = mode.optimizer_hooks(optimizer) if optimizer is not None else []
         # torch writes the tensors the module holds when the context exits back into this dict, so an
         # attribute assignment of a parameter or buffer inside the step (`self.ema = 0.9 * self.ema + ...`)
         # shows up here (see _write_back_assignments).
         held = {**params, **buffers}
-        try:
-            group_writes.clear()
-            with stateless._reparametrize_module(model, held, tie_weights=True), _optimizer_on(
-                optimizer, swap, states, hyperparameters, hp_values, group_writes
-            ), mark_boundaries(model, module_layouts or {}), mark_sequence_first(model), _cast_root_io(
-                model, mixed_precision.policy if mixed_precision else None
-            ), mode:
-                with record_reads(model, settings_objects) as reads:
-                    result = fn(*call_args, **call_kwargs)
-                recorded[:] = [reads]
-                for original, wide, fqn, key in widened:
-                    original.copy_(wide)
-                    if optimizer.state[params[fqn]].get(key) is wide:
-                        optimizer.state[params[fqn]][key] = original
-                traced_states = {fqn: optimizer.state.get(params[fqn], {}) for fqn in params} if optimizer else {}
-        finally:
-            for h in hooks:
-                h.remove()
+        group_writes.clear()
+        with stateless._reparametrize_module(model, held, tie_weights=True), _optimizer_on(
+            optimizer, swap, states, hyperparameters, hp_values, group_writes
+        ), mode.optimizer_step(optimizer), mark_boundaries(model, module_layouts or {}), mark_sequence_first(
+            model
+        ), _cast_root_io(model, mixed_precision.policy if mixed_precision else None), mode:
+            with record_reads(model, settings_objects) as reads:
+                result = fn(*call_args, **call_kwargs)
+            recorded[:] = [reads]
+            for original, wide, fqn, key in widened:
+                original.copy_(wide)
+                if optimizer_state.param_state(optimizer, params[fqn]).get(key) is wide:
+                    optimizer_state.set_state(optimizer, params[fqn], key, original)
+            traced_states = {fqn: optimizer_state.param_state(optimizer, params[fqn]) for fqn in params} if optimizer else {}
         _write_back_assignments(held, params, buffers)
 
         ret_leaves, spec = pytree.tree_flatten(result)
@@ -988,10 +1015,13 @@ def trace_step(
     hooked, hook_objects = hook_functions(model, optimizer)
     user_functions = [fn, *forward_functions(model), *hooked]
     # Methods the step, a forward or a hook calls by name (self.helper(x), model.compute_loss(batch)).
-    owners = [type(m) for m in model.modules()] + ([type(optimizer)] if optimizer is not None else [])
+    # The optimizer's and the optimizers' it wraps (a Lookahead's base optimizer).
+    owners = [type(m) for m in model.modules()]
+    owners += [type(holder) for _, holder in optimizer_state.holders(optimizer)] if optimizer is not None else []
     user_functions += called_methods(user_functions, owners)
-    settings_objects = settings_variables(user_functions)
-    state = StateWatch(user_functions, model, objects=hook_objects)
+    optimizers = user_optimizers(optimizer)
+    settings_objects = settings_variables(user_functions) + [(label, o, lambda o=o: o) for label, o in optimizers]
+    state = StateWatch(user_functions, model, objects=hook_objects, labelled=optimizers)
     randomness = RandomStateUse()
     try:
         with torch.compiler._compile_session_context(), torch.enable_grad():
@@ -1019,7 +1049,7 @@ def trace_step(
             if functional is None:  # a write through a view, or an op without a functional twin
                 functional = _functionalize_by_tracing(autograd_graph, fakes, sym_values)
         _refuse_host_reads(functional)
-        _settle_state_changes(state.changes())
+        python_writes = _settle_state_changes(state.changes())
     except TraceError:
         _undo(state)
         randomness.restore()
@@ -1083,6 +1113,7 @@ def trace_step(
         list(state_writes),
         list(group_writes),
         [(fqn, m.training) for fqn, m in model.named_modules() if modes_before.get(fqn) != m.training],
+        python_writes,
     )
 
 
@@ -1181,7 +1212,7 @@ def _undo(state: StateWatch) -> None:
         change.undo()
 
 
-def _settle_state_changes(changes: list[StateChange]) -> None:
+def _settle_state_changes(changes: list[StateChange]) -> list[Callable[[], None]]:
     """What to do with each change the traced step made to Python state that outlives it
     (:class:`~spmd_expand.python_values.StateChange`). The step's Python runs when it is traced, not
     on every call, and its tensors and sizes exist only while tracing, so:
@@ -1190,8 +1221,11 @@ def _settle_state_changes(changes: list[StateChange]) -> None:
       (``LOSSES.append(loss)``): refused, and every change undone;
     * one kept in a plain attribute of a module (``self.cache = rotary``, as a module caches a value it
       derives from its input): undone, with a warning (the module computes it again the next time);
-    * any other change (``STATS["n"] += 1``, ``self.calls += 1``): kept, with a warning that it happens
-      only when the step is traced.
+    * Python scalars assigned to attributes or variables (``self.calls += 1``, ``self._la_step = 0``,
+      ``global STEP; STEP += 1``): kept, and assigned again after every run of the graph
+      (:attr:`StateChange.replay`); returned;
+    * any other change (``STATS["n"] += 1``, ``history.append(1.0)``): kept, with a warning that it
+      happens only when the step is traced.
 
     A module whose class is library code (torch's RNN refreshing ``_flat_weights``, a HuggingFace model
     installing its hooks on the first call) gets the same treatment without the warnings: the user
@@ -1213,8 +1247,11 @@ def _settle_state_changes(changes: list[StateChange]) -> None:
             f"  fix: return the value from the step (`return loss, logits.detach()`) and keep what the "
             f"compiled step returns, after the call"
         )
+    replays = []
     for c in changes:
-        if c.traced:
+        if c.replay is not None and not c.traced:
+            replays.append(c.replay)
+        elif c.traced:
             c.undo()
             if c.in_library_module:  # torch's or a package's module (an RNN's _flat_weights): its business
                 continue
@@ -1233,6 +1270,7 @@ def _settle_state_changes(changes: list[StateChange]) -> None:
                 f"in a buffer it updates",
                 stacklevel=3,
             )
+    return replays
 
 
 def _write_back_assignments(held: dict[str, Any], params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:

@@ -8,6 +8,7 @@ compare. ``run_scenarios`` is the worker for ``spmd_expand.app.launch.run_local`
 
 from __future__ import annotations
 
+import collections
 import copy
 import traceback
 from typing import Callable, Optional
@@ -317,10 +318,14 @@ def run_loop(
         ref_outs.append(step(ref_pair["model"], ref_pair["optimizer"], x, y))
 
     def states(pair):
+        # An optimizer wrapper's (Lookahead's) and its base optimizer's.
+        optimizer = pair["optimizer"]
+        holders = {"": optimizer, **{f"{a}.": v for a, v in vars(optimizer).items() if isinstance(v, torch.optim.Optimizer)}}
         return {
-            f"{k}.{s}": _full(t).detach().clone()
+            f"{k}.{h}{s}": _full(t).detach().clone()
             for k, p in pair["model"].named_parameters()
-            for s, t in pair["optimizer"].state.get(p, {}).items()
+            for h, o in holders.items()
+            for s, t in o.state.get(p, {}).items()
             if isinstance(t, torch.Tensor)
         }
 
@@ -636,6 +641,75 @@ class Lamb(torch.optim.Optimizer):
                 p.add_(update, alpha=-group["lr"])
 
 
+class GroupCountedLookahead(torch.optim.Optimizer):
+    """Lookahead (Zhang et al. 2019) as timm writes it: a wrapper that does not call
+    ``Optimizer.__init__`` (no step hooks), shares its base optimizer's param groups, counts steps in
+    them (a Python int) and keeps the slow weights in the *base* optimizer's state, created on the
+    first sync. Every ``k``-th step pulls the slow weights ``alpha`` of the way to the fast ones and
+    resets the fast weights to them."""
+
+    def __init__(self, base, alpha=0.5, k=2):
+        self.base = base
+        self.param_groups = base.param_groups
+        self.defaults = {**base.defaults, "lookahead_alpha": alpha, "lookahead_k": k}
+        self.state = collections.defaultdict(dict)
+        for group in self.param_groups:
+            group.setdefault("lookahead_alpha", alpha)
+            group.setdefault("lookahead_k", k)
+            group.setdefault("lookahead_step", 0)
+
+    def zero_grad(self, set_to_none=True):
+        self.base.zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self.base.step(closure)
+        for group in self.param_groups:
+            group["lookahead_step"] += 1
+            if group["lookahead_step"] % group["lookahead_k"]:
+                continue
+            for p in group["params"]:
+                state = self.base.state[p]
+                if "slow" not in state:
+                    state["slow"] = p.detach().clone()
+                state["slow"].add_(p - state["slow"], alpha=group["lookahead_alpha"])
+                p.copy_(state["slow"])
+        return loss
+
+
+class AttributeCountedLookahead(torch.optim.Optimizer):
+    """Lookahead as its paper's authors wrote it: the step count in an attribute of the wrapper,
+    reset to 0 at every sync (so its values repeat: a compiled step reuses the graph of each value,
+    and the count it assigns must be assigned again), the slow weights in the wrapper's own state."""
+
+    def __init__(self, base, alpha=0.5, k=2):
+        self.base, self.alpha, self.k, self.count = base, alpha, k, 0
+        self.state = collections.defaultdict(dict)
+        for group in base.param_groups:
+            for p in group["params"]:
+                self.state[p]["slow"] = p.detach().clone()
+
+    @property
+    def param_groups(self):
+        return self.base.param_groups
+
+    def zero_grad(self, set_to_none=True):
+        self.base.zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self.base.step(closure)
+        self.count += 1
+        if self.count >= self.k:
+            self.count = 0
+            for group in self.param_groups:
+                for p in group["params"]:
+                    slow = self.state[p]["slow"]
+                    slow.add_(p - slow, alpha=self.alpha)
+                    p.copy_(slow)
+        return loss
+
+
 def _resume_python_step_state(i, pair):
     """As if loaded from a checkpoint before the first call: the Python-int step count exists already
     (the first trace then changes it, rather than creating it)."""
@@ -782,6 +856,14 @@ SCENARIOS: dict[str, dict] = {
     "adamw_python_int_step_resumed": dict(optimizer_fn=lambda ps: Lamb(ps, trust_ratio=False), between=_resume_python_step_state),
     "muon_fp32": dict(
         optimizer_fn=lambda ps: Fp32Muon(_matrices(ps), lr=0.02, momentum=0.9, adjust_lr_fn="match_rms_adamw")
+    ),
+    # Optimizer wrappers: the base optimizer's state (SGD's momentum, the slow weights) is a graph input
+    # too, and a count the wrapper keeps in an attribute is assigned again after each call.
+    "lookahead_sgd_momentum": dict(
+        optimizer_fn=lambda ps: GroupCountedLookahead(torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    ),
+    "lookahead_attribute_count_adamw": dict(
+        optimizer_fn=lambda ps: AttributeCountedLookahead(torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)), steps=5
     ),
 }
 

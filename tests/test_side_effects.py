@@ -166,7 +166,8 @@ class Counting(nn.Module):
 
 
 def test_a_counter_on_a_module_counts_every_call_by_compiling_again(fake_mesh):
-    """The step reads the counter it changes: each call sees a new value, compiles again and counts."""
+    """The step reads the counter it changes: each call sees a new value, compiles again (saying why)
+    and counts."""
     model = Counting()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     step = _compiled(fake_mesh, _train)
@@ -175,7 +176,38 @@ def test_a_counter_on_a_module_counts_every_call_by_compiling_again(fake_mesh):
         for _ in range(3):
             step(model, optimizer, torch.randn(8, 8))
     assert model.calls == 3
-    assert sum("model (calls: " in str(w.message) for w in caught) == 3
+    assert sum("attribute calls of the model" in str(w.message) for w in caught) == 2, [str(w.message) for w in caught]
+
+
+class Alternating(nn.Module):
+    """Updates only on every other call (a phase it flips): its values repeat, so the graph of each
+    phase is reused, and the phase the step assigns must be assigned again after each call."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.phase = 0
+
+    def forward(self, x):
+        self.phase = 1 - self.phase
+        return self.fc(x) * self.phase
+
+
+def test_a_python_value_the_step_assigns_is_assigned_again_when_a_graph_is_reused(fake_mesh):
+    model = Alternating()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = _compiled(fake_mesh, _train)
+    phases, moved = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(5):
+            before = _local(model.fc.weight).clone()
+            step(model, optimizer, torch.randn(8, 8))
+            phases.append(model.phase)
+            moved.append(not torch.equal(_local(model.fc.weight), before))
+    assert phases == [1, 0, 1, 0, 1]
+    assert moved == [True, False, True, False, True]
+    assert sum(map(len, step.cache.values())) == 2
 
 
 class Reassigning(nn.Module):
