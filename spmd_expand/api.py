@@ -31,6 +31,7 @@ from .passes import resolve_passes
 from .pipeline import Override, StepArtifacts, compile_step
 from .rng import generator_state
 from .plans import Plan, ResolvedPlan, resolve_plan
+from .python_values import argument_key
 from .spec import AS_PRODUCED, replicate
 from .state import adopt_replaced_parameters, broadcast_materialized_state, check_optimizer_params, distribute_state, refuse_eager_calls, unwrapped
 from .trace import HyperParameter, InputRole, TensorSpec, TracedStep, hyperparameters_of
@@ -282,7 +283,7 @@ class CompiledStep:
         optimizer = _find(leaves, torch.optim.Optimizer, "optimizers", at_most_one=True)
         given = [x for x in leaves if isinstance(x, torch.Tensor)]
         batch_leaves = _in_traced_layout(given)
-        constants = tuple(repr(x) for x in leaves if not isinstance(x, (torch.Tensor, nn.Module, torch.optim.Optimizer)))
+        constants = tuple(argument_key(x) for x in leaves if not isinstance(x, (torch.Tensor, nn.Module, torch.optim.Optimizer)))
         bound = self._bound_call(model, optimizer, batch_leaves, constants)
         if bound is None:
             # Every full call: state loaded since the last call (e.g. by set_state_dict) may be plain tensors.

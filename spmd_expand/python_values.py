@@ -299,6 +299,27 @@ def _scalar_attributes(obj: Any) -> dict[str, Any]:
     return {k: _frozen(v) for k, v in found.items()}
 
 
+def argument_key(value: Any, depth: int = 2) -> str:
+    """What a non-tensor argument of the step contributes to the cache key: its ``repr``, and for a
+    settings object (:func:`is_settings_object`) the scalar attributes it holds and those of the
+    settings objects among them, ``depth`` levels down. A plain object's ``repr`` names its address,
+    not its values: ``step(model, opt, x, y, cfg)`` with ``cfg.alpha`` changed between calls ran the
+    graph traced with the old value. Compared across ranks too (the address removed)."""
+    attributes = _nested_attributes(value, depth)
+    return repr(value) if attributes is None else f"{value!r} {attributes!r}"
+
+
+def _nested_attributes(value: Any, depth: int) -> Optional[tuple]:
+    if depth < 0 or not is_settings_object(value):
+        return None
+    found: dict[str, Any] = dict(_scalar_attributes(value))
+    for name, held in getattr(value, "__dict__", {}).items():
+        nested = _nested_attributes(held, depth - 1)
+        if nested is not None:
+            found[name] = nested
+    return tuple(sorted(found.items()))
+
+
 def _give_recording_class(obj: Any, swapped: list) -> bool:
     cls = type(obj)
     sub = _recording_class(cls)
@@ -330,7 +351,8 @@ def record_reads(model: nn.Module, held: Sequence[tuple[str, Any, Callable[[], A
             if attr not in _MODULE_OWN and is_settings_object(value):
                 holders.setdefault(id(value), (value, ("module", module, fqn, attr)))
     for description, value, reader in held:
-        if is_settings_object(value) or isinstance(value, torch.optim.Optimizer):  # user_optimizers
+        # user_optimizers; a module of a global (a loss module): not one of the model's, recorded above
+        if is_settings_object(value) or isinstance(value, torch.optim.Optimizer) or (isinstance(value, nn.Module) and id(value) not in names):
             holders.setdefault(id(value), (value, ("global", description, reader)))
     swapped: list = []
     reads: dict = {}
@@ -436,9 +458,16 @@ def _loads(code: types.CodeType) -> Iterator[tuple[str, str]]:
 
 def _loaded_values(fn: types.FunctionType) -> Iterator[tuple[str, str, Any, Any, Callable[[], Any]]]:
     """(kind, name, identity key, value, reader) of each global / closure variable ``fn``'s code loads
-    and that exists now, and of the attributes of a user module among them that the code names
-    (``"module"``, :func:`_module_attributes`)."""
+    and that exists now, of the attributes of a user module among them that the code names
+    (``"module"``, :func:`_module_attributes`), and of ``fn``'s default argument values
+    (``"default"``: ``def step(model, opt, x, y, criterion=criterion)`` holds a loss module)."""
     code = fn.__code__
+    defaults = fn.__defaults__ or ()
+    with_defaults = code.co_varnames[code.co_argcount - len(defaults):code.co_argcount]
+    for i, (name, value) in enumerate(zip(with_defaults, defaults)):
+        yield "default", name, (id(fn), name), value, _default_reader(fn, i)
+    for name, value in (fn.__kwdefaults__ or {}).items():
+        yield "default", name, (id(fn), name), value, _global_reader(fn.__kwdefaults__, name)
     cells = dict(zip(code.co_freevars, fn.__closure__ or ()))
     for kind, name in _loads(code):
         if kind == "global":
@@ -560,8 +589,10 @@ def _stores(fn: types.FunctionType) -> Iterator[tuple[str, str, str]]:
 def settings_variables(functions: list[Callable], depth: int = 4) -> list[tuple[str, Any, Callable[[], Any]]]:
     """(description, object, reader) of each global or closure variable of the user's ``functions``
     (followed as :func:`code_reads` follows them) that holds a settings object
-    (:func:`is_settings_object`: ``cfg.alpha``, ``args.label_smoothing``), and of the object a bound
-    method among ``functions`` belongs to (``self.cfg`` of a trainer's ``train_step``), for
+    (:func:`is_settings_object`: ``cfg.alpha``, ``args.label_smoothing``) or a module
+    (``criterion = nn.CrossEntropyLoss(label_smoothing=0.1)``, a ``FocalLoss`` whose ``gamma`` a
+    schedule changes; :func:`record_reads` leaves the model's own to the model), and of the object a
+    bound method among ``functions`` belongs to (``self.cfg`` of a trainer's ``train_step``), for
     :func:`record_reads`."""
     result: list = []
     seen: set = set()
@@ -572,7 +603,7 @@ def settings_variables(functions: list[Callable], depth: int = 4) -> list[tuple[
             result.append((f"the {type(owner).__qualname__} object of {fn.__qualname__}", owner, lambda owner=owner: owner))
     for fn in _user_functions(functions, depth):
         for kind, name, key, value, read in _loaded_values(fn):
-            if key in seen or not is_settings_object(value):
+            if key in seen or not (is_settings_object(value) or isinstance(value, nn.Module)):
                 continue
             seen.add(key)
             label = _variable_label(kind, name, fn)
@@ -612,14 +643,21 @@ def code_prints(functions: list[Callable], depth: int = 4) -> list[str]:
 
 def _variable_label(kind: str, name: str, fn: types.FunctionType) -> str:
     """How a warning or an error names a global (``kind == "global"``), a user module's attribute
-    (``"module"``, ``name`` qualified) or a closure variable of ``fn``."""
+    (``"module"``, ``name`` qualified), a default argument value of ``fn`` (``"default"``) or a closure
+    variable of ``fn``."""
     if kind == "module":
         return f"module attribute {name}"
+    if kind == "default":
+        return f"default argument {name} of {fn.__qualname__}"
     return f"global {name} of {fn.__module__}" if kind == "global" else f"closure variable {name} of {fn.__qualname__}"
 
 
 def _global_reader(scope: dict, name: str) -> Callable[[], Any]:
     return lambda: scope.get(name, _MISSING)
+
+
+def _default_reader(fn: types.FunctionType, i: int) -> Callable[[], Any]:
+    return lambda: fn.__defaults__[i] if i < len(fn.__defaults__ or ()) else _MISSING
 
 
 def _cell_reader(cell: types.CellType) -> Callable[[], Any]:
@@ -941,7 +979,7 @@ class StateWatch:
     ) -> None:
         # (description, in a module, in a library module, object, snapshot)
         self._watched: list[tuple[str, bool, bool, Any, Any]] = []
-        seen: set = set()
+        seen: set = {id(m) for m in model.modules()} if model is not None else set()  # watched below, as the model's
         assigned: set = set()
         for obj in objects:  # a hook's object (hook_functions): its attributes, as a global's
             if not isinstance(obj, nn.Module):
@@ -960,6 +998,7 @@ class StateWatch:
                     label = _variable_label(kind, name, fn)
                     self._watched.append((label, False, False, slot, slot.items()))
         if model is not None:
+            seen -= {id(m) for m in model.modules()}
             for fqn, module in model.named_modules():
                 self._watch(module, f"model.{fqn}" if fqn else "model", True, not _is_user_class(type(module)), seen, 1)
 
@@ -969,7 +1008,8 @@ class StateWatch:
         # A user module's plain attributes include the user's own objects (``self.criterion =
         # FocalLoss()``): watched as a global's are, with one more level (their lists).
         held = in_module and not library and depth >= 0 and not isinstance(obj, nn.Module) and _is_user_object(obj)
-        attributes = attributes or (isinstance(obj, nn.Module) or held if in_module else _is_user_object(obj))
+        # Outside the model: a user object, or a module a global holds (a loss module's attributes).
+        attributes = attributes or isinstance(obj, nn.Module) or (held if in_module else _is_user_object(obj))
         if (not attributes and not isinstance(obj, _CONTAINERS)) or id(obj) in seen:
             return
         seen.add(id(obj))

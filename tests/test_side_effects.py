@@ -318,10 +318,10 @@ def _local(param):
     return param.to_local() if isinstance(param, DTensor) else param.detach()
 
 
-def _updates_follow(fake_mesh, model, weight, set_scale, scales=(1.0, 0.0), step_fn=_train):
-    """Call the compiled step once per value in ``scales`` (set by ``set_scale``, a value the traced
-    Python reads): ``weight`` moves where the value is not 0 and stays where it is 0, so each call ran
-    a graph traced with its value. Returns the compiled step."""
+def _updates_follow(fake_mesh, model, weight, set_scale, scales=(1.0, 0.0), step_fn=_train, args=()):
+    """Call the compiled step (``step_fn(model, optimizer, x, *args)``) once per value in ``scales``
+    (set by ``set_scale``, a value the traced Python reads): ``weight`` moves where the value is not 0
+    and stays where it is 0, so each call ran a graph traced with its value. Returns the compiled step."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     step = _compiled(fake_mesh, step_fn)
     x = torch.randn(8, 8)
@@ -331,7 +331,7 @@ def _updates_follow(fake_mesh, model, weight, set_scale, scales=(1.0, 0.0), step
             for scale in scales:
                 set_scale(scale)
                 before = _local(weight).clone()
-                step(model, optimizer, x)
+                step(model, optimizer, x, *args)
                 assert (not torch.equal(_local(weight), before)) == (scale != 0.0), scale
         finally:
             set_scale(1.0)
@@ -626,3 +626,65 @@ def test_a_tensor_kept_by_an_object_a_module_holds_is_undone_with_a_warning(fake
     messages = _call(fake_mesh, cases.scalar_step, model)
     assert model.criterion.history == []  # no placeholder (FakeTensor) left behind
     assert any("model.criterion.history (0 -> 1 items)" in m and "undone" in m for m in messages), messages
+
+
+# Modules outside the model: a loss module a global or a default argument holds, whose setting a
+# schedule changes between calls.
+class ScaledMSE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = 1.0
+
+    def forward(self, out):
+        return out.pow(2).mean() * self.scale
+
+
+CRITERION = ScaledMSE()
+
+
+def _train_with_global_criterion(model, optimizer, x):
+    loss = CRITERION(model(x))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _train_with_default_criterion(model, optimizer, x, criterion=ScaledMSE()):
+    loss = criterion(model(x))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("held_by", ["global", "default argument"])
+def test_an_attribute_of_a_loss_module_outside_the_model_is_guarded(fake_mesh, held_by):
+    model = _mlp()
+    if held_by == "global":
+        step_fn, criterion = _train_with_global_criterion, CRITERION
+    else:
+        step_fn, criterion = _train_with_default_criterion, _train_with_default_criterion.__defaults__[0]
+    _updates_follow(fake_mesh, model, model[0].weight, lambda value: setattr(criterion, "scale", value), step_fn=step_fn)
+
+
+class Options:
+    """A plain object passed to the step: its repr names its address, not its values."""
+
+    def __init__(self):
+        self.scale = 1.0
+
+
+def _train_with_options(model, optimizer, x, options):
+    loss = model(x).pow(2).mean() * options.scale
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_an_attribute_of_an_object_passed_to_the_step_is_part_of_the_cache_key(fake_mesh):
+    model, options = _mlp(), Options()
+    _updates_follow(
+        fake_mesh, model, model[0].weight, lambda value: setattr(options, "scale", value), step_fn=_train_with_options, args=(options,)
+    )
