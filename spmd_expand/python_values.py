@@ -571,6 +571,30 @@ def code_reads(functions: list[Callable], depth: int = 4) -> list[PythonValue]:
     return result
 
 
+def class_attribute_reads(functions: list[Callable], classes: Sequence[type], depth: int = 4) -> list[PythonValue]:
+    """Guards for the scalar class attributes the user's code may read through the class
+    (``Block.SCALE``, ``type(self).SCALE``, ``self.__class__.SCALE``), which no instance read records:
+    of the user's classes among ``classes`` (the model's modules', the optimizer's) and those the
+    ``functions`` (followed as :func:`code_reads` follows them) reach through globals, closure
+    variables and default arguments, each attribute whose name the followed code uses and that a user
+    class in the class's MRO defines as a Python scalar. Read with ``getattr`` on the class, so a
+    subclass that sets it later is seen too."""
+    fns = list(_user_functions(functions, depth))
+    names = set(itertools.chain.from_iterable(_attribute_names(fn.__code__) for fn in fns))
+    found = [c for c in classes if _is_user_class(c)]
+    found += [v for fn in fns for _, _, _, v, _ in _loaded_values(fn) if isinstance(v, type) and _is_user_class(v)]
+    result = []
+    for cls in dict.fromkeys(found):
+        for name in sorted(names):
+            owner = next((base for base in cls.__mro__ if name in vars(base)), None)
+            if owner is None or not _is_user_class(owner) or not is_scalar(vars(owner)[name]):
+                continue
+            result.append(PythonValue(
+                f"class attribute {cls.__qualname__}.{name}", _attribute_reader(lambda cls=cls: cls, name), _frozen(vars(owner)[name])
+            ))
+    return result
+
+
 def _stores(fn: types.FunctionType) -> Iterator[tuple[str, str, str]]:
     """("global" | "cell", name, "file:line") for each global or closure variable ``fn``'s code (and
     its nested code) assigns or deletes (``STORE_GLOBAL`` / ``STORE_DEREF`` of a free variable)."""
@@ -591,9 +615,10 @@ def settings_variables(functions: list[Callable], depth: int = 4) -> list[tuple[
     (followed as :func:`code_reads` follows them) that holds a settings object
     (:func:`is_settings_object`: ``cfg.alpha``, ``args.label_smoothing``) or a module
     (``criterion = nn.CrossEntropyLoss(label_smoothing=0.1)``, a ``FocalLoss`` whose ``gamma`` a
-    schedule changes; :func:`record_reads` leaves the model's own to the model), and of the object a
-    bound method among ``functions`` belongs to (``self.cfg`` of a trainer's ``train_step``), for
-    :func:`record_reads`."""
+    schedule changes; :func:`record_reads` leaves the model's own to the model), or a list, tuple or
+    dict of them (``HEADS[i].weight``: each element, labelled ``global HEADS of m[0]``), and of the
+    object a bound method among ``functions`` belongs to (``self.cfg`` of a trainer's ``train_step``),
+    for :func:`record_reads`."""
     result: list = []
     seen: set = set()
     for fn in functions:
@@ -603,12 +628,33 @@ def settings_variables(functions: list[Callable], depth: int = 4) -> list[tuple[
             result.append((f"the {type(owner).__qualname__} object of {fn.__qualname__}", owner, lambda owner=owner: owner))
     for fn in _user_functions(functions, depth):
         for kind, name, key, value, read in _loaded_values(fn):
-            if key in seen or not (is_settings_object(value) or isinstance(value, nn.Module)):
+            if key in seen:
                 continue
             seen.add(key)
             label = _variable_label(kind, name, fn)
-            result.append((label, value, read))
+            if _holds_attributes(value):
+                result.append((label, value, read))
+            elif isinstance(value, (list, tuple, dict)):
+                for k, element in (value.items() if isinstance(value, dict) else enumerate(value)):
+                    if _holds_attributes(element):
+                        result.append((f"{label}[{k!r}]", element, _element_reader(read, k)))
     return result
+
+
+def _holds_attributes(value: Any) -> bool:
+    return is_settings_object(value) or isinstance(value, nn.Module)
+
+
+def _element_reader(holder: Callable[[], Any], key: Any) -> Callable[[], Any]:
+    """A reader of ``holder()[key]``; ``_MISSING`` when it is gone."""
+
+    def read() -> Any:
+        try:
+            return holder()[key]
+        except (KeyError, IndexError, TypeError):
+            return _MISSING
+
+    return read
 
 
 def code_writes(functions: list[Callable], depth: int = 4) -> list[str]:

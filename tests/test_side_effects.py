@@ -688,3 +688,52 @@ def test_an_attribute_of_an_object_passed_to_the_step_is_part_of_the_cache_key(f
     _updates_follow(
         fake_mesh, model, model[0].weight, lambda value: setattr(options, "scale", value), step_fn=_train_with_options, args=(options,)
     )
+
+
+# Values read through a class or a global list: no instance attribute read records them.
+class ClassScaled(nn.Module):
+    SCALE = 1.0
+
+    def __init__(self, read):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 4)
+        self.read = read
+
+    def forward(self, x):
+        if self.read == "class name":
+            scale = ClassScaled.SCALE
+        elif self.read == "type(self)":
+            scale = type(self).SCALE
+        else:
+            scale = self.__class__.SCALE
+        return self.fc(x) * scale
+
+
+@pytest.mark.parametrize("read", ["class name", "type(self)", "self.__class__"])
+def test_a_class_attribute_read_through_the_class_is_guarded(fake_mesh, read):
+    model = ClassScaled(read)
+    _updates_follow(fake_mesh, model, model.fc.weight, lambda value: setattr(ClassScaled, "SCALE", value))
+
+
+class Setting:
+    def __init__(self):
+        self.scale = 1.0
+
+
+SETTINGS = [Setting()]
+
+
+class ListScaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(x) * SETTINGS[0].scale
+
+
+def test_an_attribute_of_an_object_in_a_global_list_is_guarded(fake_mesh):
+    model = ListScaled()
+    _updates_follow(fake_mesh, model, model.fc.weight, lambda value: setattr(SETTINGS[0], "scale", value))
