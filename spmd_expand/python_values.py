@@ -168,7 +168,7 @@ class PythonGuards:
             if read.via is not None:
                 # A settings object a module holds (self.config): guarded where the model holds it now,
                 # or, held by a stand-in with no place in the model, on the object itself.
-                if place == read.fqn and vars(module).get(read.via) is read.held:
+                if place == read.fqn and _attribute_reader(lambda: module, read.via)() is read.held:
                     self.values.append(_attribute_value(module, place, f"{read.via}.{read.name}", read.value))
                 else:
                     self.values.append(PythonValue(
@@ -336,11 +336,13 @@ def _give_recording_class(obj: Any, swapped: list) -> bool:
 @contextlib.contextmanager
 def record_reads(model: nn.Module, held: Sequence[tuple[str, Any, Callable[[], Any]]] = ()) -> Iterator[RecordedReads]:
     """While inside, note every scalar attribute read of ``model``'s modules, of the settings objects
-    (:func:`is_settings_object`) their attributes hold (``self.config``), and of the settings objects
+    (:func:`is_settings_object`) their attributes hold (``self.config``), of the settings objects
     in ``held``: ``(description, object, reader)`` for each global or closure variable that holds one
-    (``reader()`` returns what the variable holds at the time). Yields a :class:`RecordedReads` filled
-    on exit: one read per (object, attribute), with the value first read. An object whose class
-    refuses a recording subclass (``SimpleNamespace``) has every scalar attribute it holds recorded.
+    (``reader()`` returns what the variable holds at the time), and of the settings objects all these
+    hold, :data:`_NESTED_DEPTH` levels down (``self.args.scale`` of a trainer, ``cfg.optim.lr``).
+    Yields a :class:`RecordedReads` filled on exit: one read per (object, attribute), with the value
+    first read. An object whose class refuses a recording subclass (``SimpleNamespace``) has every
+    scalar attribute it holds recorded.
     """
     names: dict[int, str] = {}
     for fqn, module in model.named_modules(remove_duplicate=False):
@@ -354,6 +356,11 @@ def record_reads(model: nn.Module, held: Sequence[tuple[str, Any, Callable[[], A
         # user_optimizers; a module of a global (a loss module): not one of the model's, recorded above
         if is_settings_object(value) or isinstance(value, torch.optim.Optimizer) or (isinstance(value, nn.Module) and id(value) not in names):
             holders.setdefault(id(value), (value, ("global", description, reader)))
+    frontier = list(holders.values())
+    for _ in range(_NESTED_DEPTH):
+        frontier = [_nested_holder(child, attr, where, holders) for value, where in frontier
+                    for attr, child in list(getattr(value, "__dict__", {}).items())
+                    if id(child) not in holders and id(child) not in names and is_settings_object(child)]
     swapped: list = []
     reads: dict = {}
     result = RecordedReads()
@@ -384,6 +391,24 @@ def record_reads(model: nn.Module, held: Sequence[tuple[str, Any, Callable[[], A
             else:
                 _, description, reader = where
                 result.values.append(PythonValue(f"attribute {name} of {description}", _attribute_reader(reader, name), value))
+
+
+# How deep record_reads follows settings objects inside settings objects (trainer.args.optim).
+_NESTED_DEPTH = 2
+
+
+def _nested_holder(child: Any, attr: str, where: tuple, holders: dict) -> tuple:
+    """Register ``child``, held in attribute ``attr`` of an object ``holders`` places at ``where``,
+    for :func:`record_reads`: under a module, by its dotted path from the module (``config.text``);
+    else with a reader through the holder's."""
+    if where[0] == "module":
+        _, module, fqn, via = where
+        placed = ("module", module, fqn, f"{via}.{attr}")
+    else:
+        _, description, reader = where
+        placed = ("global", f"{attr} of {description}", _attribute_reader(reader, attr))
+    holders[id(child)] = (child, placed)
+    return child, placed
 
 
 def _attribute_reader(holder: Callable[[], Any], name: str) -> Callable[[], Any]:

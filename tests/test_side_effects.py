@@ -14,8 +14,10 @@ change is reported or refused, and the values they read are guarded (a new value
 
 from __future__ import annotations
 
+import argparse
 import functools
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -737,3 +739,51 @@ class ListScaled(nn.Module):
 def test_an_attribute_of_an_object_in_a_global_list_is_guarded(fake_mesh):
     model = ListScaled()
     _updates_follow(fake_mesh, model, model.fc.weight, lambda value: setattr(SETTINGS[0], "scale", value))
+
+
+# Settings objects inside settings objects: a trainer's args, a nested config.
+class NestedTrainer:
+    def __init__(self):
+        self.args = argparse.Namespace(scale=1.0)
+
+    def train_step(self, model, optimizer, x):
+        loss = model(x).pow(2).mean() * self.args.scale
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+
+NESTED_CONFIG = SimpleNamespace(optim=SimpleNamespace(scale=1.0))
+
+
+def _train_with_nested_config(model, optimizer, x):
+    loss = model(x).pow(2).mean() * NESTED_CONFIG.optim.scale
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+class NestedConfigured(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 4)
+        self.cfg = argparse.Namespace(head=argparse.Namespace(scale=1.0))
+
+    def forward(self, x):
+        return self.fc(x) * self.cfg.head.scale
+
+
+@pytest.mark.parametrize("held_by", ["trainer.args", "global config.optim", "module self.cfg.head"])
+def test_an_attribute_of_a_nested_settings_object_is_guarded(fake_mesh, held_by):
+    if held_by == "trainer.args":
+        model, trainer = _mlp(), NestedTrainer()
+        _updates_follow(fake_mesh, model, model[0].weight, lambda v: setattr(trainer.args, "scale", v), step_fn=trainer.train_step)
+    elif held_by == "global config.optim":
+        model = _mlp()
+        _updates_follow(fake_mesh, model, model[0].weight, lambda v: setattr(NESTED_CONFIG.optim, "scale", v), step_fn=_train_with_nested_config)
+    else:
+        model = NestedConfigured()
+        _updates_follow(fake_mesh, model, model.fc.weight, lambda v: setattr(model.cfg.head, "scale", v))
