@@ -527,6 +527,11 @@ def _module_attributes(module: types.ModuleType, code: types.CodeType) -> Iterat
             yield "module", f"{module.__name__}.{name}", (id(scope), name), scope[name], _global_reader(scope, name)
 
 
+# How many calls deep the user's functions are followed. Each function is read once, so the cost is
+# the user code reachable, not the depth; 4 missed a value a forward read through five helpers.
+FOLLOW_DEPTH = 64
+
+
 def _user_functions(functions: list[Callable], depth: int) -> Iterator[types.FunctionType]:
     """``functions`` and the Python functions they reach through globals and closure variables, up to
     ``depth`` calls deep, each once; library code (torch, site-packages, the standard library) is not
@@ -582,7 +587,7 @@ def _class_functions(classes: Sequence[type]) -> list[tuple[str, types.FunctionT
     return found
 
 
-def code_reads(functions: list[Callable], depth: int = 4) -> list[PythonValue]:
+def code_reads(functions: list[Callable], depth: int = FOLLOW_DEPTH) -> list[PythonValue]:
     """The scalar globals and closure variables the user's ``functions`` read (see the module doc)."""
     result: list[PythonValue] = []
     seen: set = set()
@@ -596,7 +601,7 @@ def code_reads(functions: list[Callable], depth: int = 4) -> list[PythonValue]:
     return result
 
 
-def class_attribute_reads(functions: list[Callable], classes: Sequence[type], depth: int = 4) -> list[PythonValue]:
+def class_attribute_reads(functions: list[Callable], classes: Sequence[type], depth: int = FOLLOW_DEPTH) -> list[PythonValue]:
     """Guards for the scalar class attributes the user's code may read through the class
     (``Block.SCALE``, ``type(self).SCALE``, ``self.__class__.SCALE``), which no instance read records:
     of the user's classes among ``classes`` (the model's modules', the optimizer's) and those the
@@ -635,7 +640,7 @@ def _stores(fn: types.FunctionType) -> Iterator[tuple[str, str, str]]:
         stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
 
 
-def settings_variables(functions: list[Callable], depth: int = 4) -> list[tuple[str, Any, Callable[[], Any]]]:
+def settings_variables(functions: list[Callable], depth: int = FOLLOW_DEPTH) -> list[tuple[str, Any, Callable[[], Any]]]:
     """(description, object, reader) of each global or closure variable of the user's ``functions``
     (followed as :func:`code_reads` follows them) that holds a settings object
     (:func:`is_settings_object`: ``cfg.alpha``, ``args.label_smoothing``) or a module
@@ -682,7 +687,7 @@ def _element_reader(holder: Callable[[], Any], key: Any) -> Callable[[], Any]:
     return read
 
 
-def code_writes(functions: list[Callable], depth: int = 4) -> list[str]:
+def code_writes(functions: list[Callable], depth: int = FOLLOW_DEPTH) -> list[str]:
     """Where the user's ``functions`` (followed as :func:`code_reads` follows them) assign a global or
     a closure variable: ``"global STEP at file:line"``. Such Python side effects run when the step is
     traced, not on every call."""
@@ -693,7 +698,7 @@ def code_writes(functions: list[Callable], depth: int = 4) -> list[str]:
     ]
 
 
-def code_prints(functions: list[Callable], depth: int = 4) -> list[str]:
+def code_prints(functions: list[Callable], depth: int = FOLLOW_DEPTH) -> list[str]:
     """Where the user's ``functions`` (followed as :func:`code_reads` follows them) call the builtin
     ``print``: ``"file:line"``. A print runs when the step is traced, with fake tensors in place of
     values, and not on later calls."""
@@ -766,7 +771,7 @@ def _attribute_names(code: types.CodeType) -> Iterator[str]:
         stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
 
 
-def called_methods(functions: list[Callable], classes: Sequence[type], depth: int = 4) -> list[types.FunctionType]:
+def called_methods(functions: list[Callable], classes: Sequence[type], depth: int = FOLLOW_DEPTH) -> list[types.FunctionType]:
     """The methods of ``classes`` (the user's classes among them and their bases; library classes are
     not followed) that ``functions``, or the functions they reach, may call by name: ``self.helper(x)``
     in a ``forward``, ``model.compute_loss(batch)`` in a step, ``self.attn.scores(q, k)``, a property.
@@ -1044,7 +1049,7 @@ class StateWatch:
         self,
         functions: list[Callable],
         model: Optional[nn.Module],
-        depth: int = 4,
+        depth: int = FOLLOW_DEPTH,
         objects: Sequence[Any] = (),
         labelled: Sequence[tuple[str, Any]] = (),
     ) -> None:

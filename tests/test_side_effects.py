@@ -787,3 +787,42 @@ def test_an_attribute_of_a_nested_settings_object_is_guarded(fake_mesh, held_by)
     else:
         model = NestedConfigured()
         _updates_follow(fake_mesh, model, model.fc.weight, lambda v: setattr(model.cfg.head, "scale", v))
+
+
+# A global read through a chain of helpers deeper than the four calls once followed.
+DEEP_SCALE = 1.0
+
+
+def _deep5(h):
+    return h * DEEP_SCALE
+
+
+def _deep4(h):
+    return _deep5(h)
+
+
+def _deep3(h):
+    return _deep4(h)
+
+
+def _deep2(h):
+    return _deep3(h)
+
+
+def _deep1(h):
+    return _deep2(h)
+
+
+class DeepHelpers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return _deep1(self.fc(x))
+
+
+def test_a_global_read_five_helpers_deep_is_guarded(fake_mesh):
+    model = DeepHelpers()
+    _updates_follow(fake_mesh, model, model.fc.weight, _set_global("DEEP_SCALE"))
