@@ -809,8 +809,8 @@ def hooks(modules: Sequence[nn.Module], params: Sequence[torch.Tensor], optimize
     dicts' sizes).
 
     Places: each module's forward-pre / forward / backward-pre / backward hooks, each parameter's
-    gradient hooks (``register_hook``) and post-accumulate-grad hooks, the optimizer's step pre/post
-    hooks, and torch's global module and optimizer hooks. A hook added or removed between calls is a
+    gradient hooks (``register_hook``) and post-accumulate-grad hooks, the step pre/post hooks of the
+    optimizer and of the optimizers it wraps, and torch's global module and optimizer hooks. A hook added or removed between calls is a
     new graph (the trace ran the hooks that were there); Dynamo guards on the same dicts. Each dict
     belongs to one place, so its identity says where a hook is. C-level iteration (``attrgetter``,
     ``chain``, ``filter``): about 0.3 us per parameter.
@@ -823,12 +823,11 @@ def hooks(modules: Sequence[nn.Module], params: Sequence[torch.Tensor], optimize
         module_hooks._global_backward_pre_hooks, module_hooks._global_backward_hooks,
     ]
     if optimizer is not None:
-        # An optimizer that wraps another without calling ``Optimizer.__init__`` (timm's Lookahead)
-        # has no step hooks of its own.
-        places += (
-            getattr(optimizer, "_optimizer_step_pre_hooks", None), getattr(optimizer, "_optimizer_step_post_hooks", None),
-            optimizer_hooks._global_optimizer_pre_hooks, optimizer_hooks._global_optimizer_post_hooks,
-        )
+        places += (optimizer_hooks._global_optimizer_pre_hooks, optimizer_hooks._global_optimizer_post_hooks)
+        # And the optimizers it wraps (a Lookahead's base). One that wraps another without calling
+        # ``Optimizer.__init__`` (timm's Lookahead) has no step hooks of its own.
+        for _, holder in optimizer_state.holders(optimizer):
+            places += (getattr(holder, "_optimizer_step_pre_hooks", None), getattr(holder, "_optimizer_step_post_hooks", None))
     chain = itertools.chain.from_iterable
     dicts = list(filter(None, itertools.chain(places, chain(map(MODULE_HOOKS, modules)), chain(map(TENSOR_HOOKS, params)))))
     return dicts + [h for d in dicts for h in d.values()], [len(d) for d in dicts]

@@ -15,6 +15,7 @@ change is reported or refused, and the values they read are guarded (a new value
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import warnings
 from types import SimpleNamespace
@@ -826,3 +827,35 @@ class DeepHelpers(nn.Module):
 def test_a_global_read_five_helpers_deep_is_guarded(fake_mesh):
     model = DeepHelpers()
     _updates_follow(fake_mesh, model, model.fc.weight, _set_global("DEEP_SCALE"))
+
+
+class ForwardingOptimizer(torch.optim.Optimizer):
+    """A wrapper that steps its base optimizer and does not call ``Optimizer.__init__``."""
+
+    def __init__(self, base):
+        self.base, self.param_groups, self.defaults = base, base.param_groups, base.defaults
+        self.state = collections.defaultdict(dict)
+
+    def step(self, closure=None):
+        return self.base.step(closure)
+
+    def zero_grad(self, set_to_none=True):
+        self.base.zero_grad(set_to_none)
+
+
+def _zero_parameters(optimizer, args, kwargs):
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.zero_()
+
+
+def test_a_step_hook_added_to_a_wrapped_optimizer_compiles_again(fake_mesh):
+    model = _mlp()
+    optimizer = ForwardingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    step = _compiled(fake_mesh, _train)
+    step(model, optimizer, torch.randn(8, 8))
+    optimizer.base.register_step_post_hook(_zero_parameters)
+    step(model, optimizer, torch.randn(8, 8))
+    assert sum(map(len, step.cache.values())) == 2
+    assert not _local(model[0].weight).any()
