@@ -733,14 +733,14 @@ def initialize_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimize
     from later ones (SGD creates its momentum buffer from the first gradient), keep their lazy state:
     their second call compiles the steady-state graph.
 
-    An optimizer that wraps another (timm's ``Lookahead``) has its base optimizer's state created so
-    (:mod:`spmd_expand.optimizer_state`).
+    An optimizer that wraps another (timm's ``Lookahead``, accelerate's ``AcceleratedOptimizer``) has its
+    base optimizer's state created so (:mod:`spmd_expand.optimizer_state`).
 
     Returns whether any state was created. ``attempted`` (ids of (optimizer, parameter) pairs already
     tried) is updated.
     """
     created = False
-    for _, holder in optimizer_state.holders(optimizer):
+    for _, holder in optimizer_state.holders(optimizer, every=True):
         created = _initialize_state(holder, attempted) or created
     return created
 

@@ -27,15 +27,18 @@ __all__ = ["holders", "param_state", "set_state", "items", "split_key"]
 _SEPARATOR = "."
 
 
-def holders(optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.optim.Optimizer]]:
+def holders(optimizer: torch.optim.Optimizer, every: bool = False) -> list[tuple[str, torch.optim.Optimizer]]:
     """``[(prefix, optimizer)]``: ``optimizer`` (prefix ``""``) and the optimizers it wraps, each with
-    the attribute path that reaches it (``"_base_optimizer."``), outermost first; one per ``state`` dict."""
+    the attribute path that reaches it (``"_base_optimizer."``), outermost first; one per ``state`` dict,
+    or with ``every``, also those whose ``state`` a wrapper forwards (whose ``_init_group`` creates it)."""
     found = [("", optimizer)]
-    seen = {id(optimizer.state)}
+    seen = {id(optimizer), id(optimizer.state)}
     for prefix, holder in found:  # grows while iterated: wrapped wrappers
         for name, value in vars(holder).items():
-            if isinstance(value, torch.optim.Optimizer) and id(getattr(value, "state", None)) not in seen:
-                seen.add(id(value.state))
+            if not isinstance(value, torch.optim.Optimizer) or id(value) in seen:
+                continue
+            if every or id(getattr(value, "state", None)) not in seen:
+                seen.update((id(value), id(value.state)))
                 found.append((f"{prefix}{name}{_SEPARATOR}", value))
     return found
 

@@ -710,6 +710,40 @@ class AttributeCountedLookahead(torch.optim.Optimizer):
         return loss
 
 
+class ForwardingWrapper(torch.optim.Optimizer):
+    """An optimizer wrapper as accelerate's ``AcceleratedOptimizer`` is written: ``state``,
+    ``param_groups`` and ``defaults`` are properties that forward to the wrapped optimizer."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, state):
+        self.optimizer.state = state
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups):
+        self.optimizer.param_groups = groups
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none)
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure)
+
+
 def _resume_python_step_state(i, pair):
     """As if loaded from a checkpoint before the first call: the Python-int step count exists already
     (the first trace then changes it, rather than creating it)."""
@@ -861,6 +895,9 @@ SCENARIOS: dict[str, dict] = {
     # too, and a count the wrapper keeps in an attribute is assigned again after each call.
     "lookahead_sgd_momentum": dict(
         optimizer_fn=lambda ps: GroupCountedLookahead(torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    ),
+    "forwarding_wrapper_adamw": dict(
+        optimizer_fn=lambda ps: ForwardingWrapper(torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)), between=set_lr
     ),
     "lookahead_attribute_count_adamw": dict(
         optimizer_fn=lambda ps: AttributeCountedLookahead(torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)), steps=5
