@@ -104,6 +104,17 @@ def is_scalar(value: Any) -> bool:
     return False
 
 
+# Functions a trace runs, compared by identity: a global, closure variable, default argument or
+# instance attribute holding one (``LOSS = focal``, ``self.act = torch.tanh``) can be given another.
+_FUNCTION_TYPES = (types.FunctionType, types.BuiltinFunctionType, functools.partial)
+
+
+def is_guarded(value: Any) -> bool:
+    """Whether a read of ``value`` is guarded: a scalar (:func:`is_scalar`, by value) or a function
+    (by identity). Not a bound method: one is made on every attribute read of a method."""
+    return is_scalar(value) or isinstance(value, _FUNCTION_TYPES)
+
+
 def _frozen(value: Any) -> Any:
     """A copy of a value :func:`is_scalar` accepts that later in-place changes of it cannot reach."""
     if type(value) is list:
@@ -203,6 +214,8 @@ class PythonGuards:
             now = v.read()
             if not _same(now, v.value):
                 shown = "<deleted>" if now is _MISSING else repr(now)
+                if isinstance(v.value, _FUNCTION_TYPES):
+                    return f"the trace ran the function {v.description} == {v.value!r} (now {shown}); one graph is kept per function"
                 return (
                     f"the trace read the Python value {v.description} == {v.value!r} (now {shown}), which the "
                     f"graph bakes in. A value that changes every step recompiles every step: keep it in a "
@@ -228,8 +241,10 @@ def _recording_class(cls: type) -> Optional[type]:
 
         def __getattribute__(self, name: str, _get=get) -> Any:
             value = _get(self, name)
-            if _recorders and name not in _MODULE_OWN and is_scalar(value):
-                _recorders[-1].setdefault((id(self), name), (self, name, _frozen(value)))
+            if _recorders and name not in _MODULE_OWN and is_guarded(value):
+                # A function: only one the object holds (a class's static method is the class's).
+                if is_scalar(value) or name in getattr(self, "__dict__", ()):
+                    _recorders[-1].setdefault((id(self), name), (self, name, _frozen(value)))
             return value
 
         try:
@@ -288,13 +303,14 @@ def is_settings_object(value: Any) -> bool:
 
 
 def _scalar_attributes(obj: Any) -> dict[str, Any]:
-    """Every scalar attribute an object holds (its ``__dict__`` and slots), copied."""
-    found = {k: v for k, v in getattr(obj, "__dict__", {}).items() if is_scalar(v)}
+    """Every scalar attribute an object holds (its ``__dict__`` and slots), copied, and the functions
+    it holds (:func:`is_guarded`)."""
+    found = {k: v for k, v in getattr(obj, "__dict__", {}).items() if is_guarded(v)}
     for cls in type(obj).__mro__:
         slots = cls.__dict__.get("__slots__", ())
         for name in (slots,) if isinstance(slots, str) else slots:
             value = getattr(obj, name, _MISSING)
-            if value is not _MISSING and is_scalar(value):
+            if value is not _MISSING and is_guarded(value):
                 found[name] = value
     return {k: _frozen(v) for k, v in found.items()}
 
@@ -588,12 +604,13 @@ def _class_functions(classes: Sequence[type]) -> list[tuple[str, types.FunctionT
 
 
 def code_reads(functions: list[Callable], depth: int = FOLLOW_DEPTH) -> list[PythonValue]:
-    """The scalar globals and closure variables the user's ``functions`` read (see the module doc)."""
+    """The scalar globals, closure variables and default arguments the user's ``functions`` read (see
+    the module doc), and the functions they hold (:func:`is_guarded`)."""
     result: list[PythonValue] = []
     seen: set = set()
     for fn in _user_functions(functions, depth):
         for kind, name, key, value, read in _loaded_values(fn):
-            if key in seen or not is_scalar(value):
+            if key in seen or not is_guarded(value):
                 continue
             seen.add(key)
             label = _variable_label(kind, name, fn)

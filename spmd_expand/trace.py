@@ -476,6 +476,22 @@ def _cast_root_io(model: nn.Module, policy: Optional[MixedPrecisionPolicy]) -> I
             h.remove()
 
 
+class _OptimizerStep:
+    """``optimizer.step`` while a step is traced: runs the optimizer's step with the mode's
+    ``in_optimizer`` count raised (:meth:`_StepMode.optimizer_step`)."""
+
+    def __init__(self, mode: "_StepMode", step: Callable) -> None:
+        self.mode, self.step = mode, step
+        functools.update_wrapper(self, step)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.mode.in_optimizer += 1
+        try:
+            return self.step(*args, **kwargs)
+        finally:
+            self.mode.in_optimizer -= 1
+
+
 class _StepMode(TorchFunctionMode):
     """Marks, while the step is traced, where it reads parameters and gradients, and tags backward.
 
@@ -516,23 +532,15 @@ class _StepMode(TorchFunctionMode):
 
         Wraps the instance's ``step`` rather than registering step hooks: an optimizer that wraps
         another without calling ``Optimizer.__init__`` (timm's ``Lookahead``) has no hooks. A ``step``
-        the instance already holds (an LR scheduler's counting wrapper) is wrapped and put back.
+        the instance already holds (an LR scheduler's counting wrapper) is wrapped and put back. The
+        wrapper is an object, not a function, so the step's read of ``optimizer.step`` is not taken for
+        a function the user gave the optimizer (which would be guarded by identity).
         """
         if optimizer is None:
             yield
             return
         held = vars(optimizer).get("step")
-        original = optimizer.step
-
-        @functools.wraps(original)
-        def step(*args, **kwargs):
-            self.in_optimizer += 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.in_optimizer -= 1
-
-        optimizer.step = step
+        optimizer.step = _OptimizerStep(self, optimizer.step)
         try:
             yield
         finally:
@@ -1084,8 +1092,9 @@ def trace_step(
     for write in code_writes([fn]):
         warnings.warn(
             f"spmd.compile: the step assigns {write}; a compiled step's Python code runs when it is traced "
-            f"(the first call and each recompilation), not on every call: keep such bookkeeping outside the "
-            f"compiled step, or in a buffer it updates",
+            f"(the first call and each recompilation), not on every call: a Python number it assigns is "
+            f"assigned again after each call (and one it also reads compiles once per value), anything else "
+            f"only when traced; keep such bookkeeping outside the compiled step, or in a buffer it updates",
             stacklevel=2,
         )
     for where in code_prints(user_functions):

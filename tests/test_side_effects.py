@@ -859,3 +859,68 @@ def test_a_step_hook_added_to_a_wrapped_optimizer_compiles_again(fake_mesh):
     step(model, optimizer, torch.randn(8, 8))
     assert sum(map(len, step.cache.values())) == 2
     assert not _local(model[0].weight).any()
+
+
+# A function the step runs, held by a global, an object or a module, given another between calls.
+def _full_loss(out):
+    return out.pow(2).mean()
+
+
+def _no_loss(out):
+    return out.pow(2).mean() * 0.0
+
+
+LOSS_FUNCTION = _full_loss
+LOSS_HOLDER = SimpleNamespace(loss=_full_loss)
+
+
+def _train_with_global_function(model, optimizer, x):
+    loss = LOSS_FUNCTION(model(x))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _train_with_held_function(model, optimizer, x):
+    loss = LOSS_HOLDER.loss(model(x))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+class Activated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 4)
+        self.act = torch.tanh
+
+    def forward(self, x):
+        return self.act(self.fc(x))
+
+
+def _zeroed(h):
+    return h * 0.0
+
+
+def _function_for(scale):
+    return _full_loss if scale else _no_loss
+
+
+@pytest.mark.parametrize("held_by", ["global", "object", "module"])
+def test_a_function_given_another_between_calls_compiles_again(fake_mesh, held_by):
+    if held_by == "module":
+        model = Activated()
+        # _zeroed as the activation: a zero gradient reaches the weight.
+        set_scale = lambda v: setattr(model, "act", torch.tanh if v else _zeroed)  # noqa: E731
+        step = _updates_follow(fake_mesh, model, model.fc.weight, set_scale, (1.0, 0.0, 1.0))
+    else:
+        model = _mlp()
+        if held_by == "global":
+            set_scale, step_fn = lambda v: globals().__setitem__("LOSS_FUNCTION", _function_for(v)), _train_with_global_function
+        else:
+            set_scale, step_fn = lambda v: setattr(LOSS_HOLDER, "loss", _function_for(v)), _train_with_held_function
+        step = _updates_follow(fake_mesh, model, model[0].weight, set_scale, (1.0, 0.0, 1.0), step_fn=step_fn)
+    assert sum(map(len, step.cache.values())) == 2
