@@ -12,8 +12,9 @@ So the state of ``optimizer`` is the union of its *holders'*: the optimizer itse
 each ``torch.optim.Optimizer`` among its attributes whose ``state`` is another dict (a wrapper that
 forwards ``state`` to its base, as accelerate's ``AcceleratedOptimizer`` does, has one holder). A key of a
 wrapped holder's state is prefixed with the attribute path: ``"_base_optimizer.momentum_buffer"``.
-Every reader and writer of optimizer state in spmd_expand goes through :func:`param_state` /
-:func:`set_state` / :func:`items`.
+Every reader and writer of optimizer state in spmd_expand goes through this module: per parameter
+(:func:`param_state`, :func:`set_state`, :func:`items`), or per holder (:func:`holders`: the cache key,
+snapshots, state creation, distribution).
 """
 
 from __future__ import annotations

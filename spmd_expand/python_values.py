@@ -689,6 +689,7 @@ def settings_variables(functions: list[Callable], depth: int = FOLLOW_DEPTH) -> 
 
 
 def _holds_attributes(value: Any) -> bool:
+    """Whether :func:`record_reads` records attribute reads of ``value``."""
     return is_settings_object(value) or isinstance(value, nn.Module)
 
 
@@ -827,8 +828,9 @@ def hooks(modules: Sequence[nn.Module], params: Sequence[torch.Tensor], optimize
 
     Places: each module's forward-pre / forward / backward-pre / backward hooks, each parameter's
     gradient hooks (``register_hook``) and post-accumulate-grad hooks, the step pre/post hooks of the
-    optimizer and of the optimizers it wraps, and torch's global module and optimizer hooks. A hook added or removed between calls is a
-    new graph (the trace ran the hooks that were there); Dynamo guards on the same dicts. Each dict
+    optimizer and of the optimizers it wraps, and torch's global module and optimizer hooks. A hook
+    added or removed between calls is a new graph (the trace ran the hooks that were there); Dynamo
+    guards on the same dicts. Each dict
     belongs to one place, so its identity says where a hook is. C-level iteration (``attrgetter``,
     ``chain``, ``filter``): about 0.3 us per parameter.
     """
