@@ -52,6 +52,14 @@ def _mlp():
 _train = cases.mse_step  # forward, backward, step, zero_grad
 
 
+def _update(loss, optimizer):
+    """The end of the steps below, which differ in how they compute ``loss``: backward, step, zero_grad."""
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
 def _compiled(fake_mesh, step):
     return spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(step)
 
@@ -393,10 +401,7 @@ class WithHelpers(nn.Module):
 
 def _train_with_method(model, optimizer, x):
     loss = model.compute_loss(x)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
+    return _update(loss, optimizer)
 
 
 @pytest.mark.parametrize("called_from", ["forward", "step"])
@@ -591,10 +596,7 @@ LOSS_COMPUTER = LossComputer()
 
 def _train_with_global_object(model, optimizer, x):
     loss = LOSS_COMPUTER.weighted(model(x).pow(2).mean())
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
+    return _update(loss, optimizer)
 
 
 def test_a_value_a_global_objects_method_reads_is_guarded(fake_mesh):
@@ -647,18 +649,12 @@ CRITERION = ScaledMSE()
 
 def _train_with_global_criterion(model, optimizer, x):
     loss = CRITERION(model(x))
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
+    return _update(loss, optimizer)
 
 
 def _train_with_default_criterion(model, optimizer, x, criterion=ScaledMSE()):
     loss = criterion(model(x))
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
+    return _update(loss, optimizer)
 
 
 @pytest.mark.parametrize("held_by", ["global", "default argument"])
@@ -680,10 +676,7 @@ class Options:
 
 def _train_with_options(model, optimizer, x, options):
     loss = model(x).pow(2).mean() * options.scale
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
+    return _update(loss, optimizer)
 
 
 def test_an_attribute_of_an_object_passed_to_the_step_is_part_of_the_cache_key(fake_mesh):
@@ -749,10 +742,7 @@ class NestedTrainer:
 
     def train_step(self, model, optimizer, x):
         loss = model(x).pow(2).mean() * self.args.scale
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
+        return _update(loss, optimizer)
 
 
 NESTED_CONFIG = SimpleNamespace(optim=SimpleNamespace(scale=1.0))
@@ -760,10 +750,7 @@ NESTED_CONFIG = SimpleNamespace(optim=SimpleNamespace(scale=1.0))
 
 def _train_with_nested_config(model, optimizer, x):
     loss = model(x).pow(2).mean() * NESTED_CONFIG.optim.scale
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
+    return _update(loss, optimizer)
 
 
 class NestedConfigured(nn.Module):
@@ -876,18 +863,12 @@ LOSS_HOLDER = SimpleNamespace(loss=_full_loss)
 
 def _train_with_global_function(model, optimizer, x):
     loss = LOSS_FUNCTION(model(x))
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
+    return _update(loss, optimizer)
 
 
 def _train_with_held_function(model, optimizer, x):
     loss = LOSS_HOLDER.loss(model(x))
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
+    return _update(loss, optimizer)
 
 
 class Activated(nn.Module):
