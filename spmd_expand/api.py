@@ -212,8 +212,9 @@ class CompiledStep:
             if p.grad is not None:
                 add(InputRole("grad", fqn), p.grad.shape, p.grad, p.grad.placements)
         if optimizer is not None:
+            found = optimizer_state.holders(optimizer)
             for fqn, p in params.items():
-                for key, v in optimizer_state.param_state(optimizer, p).items():
+                for key, v in optimizer_state.param_state(optimizer, p, found).items():
                     if isinstance(v, DTensor):
                         add(InputRole("state", fqn, key), v.shape, v, v.placements)
         for i, t in enumerate(batch_leaves):

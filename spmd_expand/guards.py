@@ -240,10 +240,11 @@ def _snapshot(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> S
             objects += group["params"]
             values.append(len(group["params"]))
             values += [(key, _setting_kind(value)) for key, value in group.items() if key != "params"]
-        for _, holder in optimizer_state.holders(optimizer):
+        found = [holder for _, holder in optimizer_state.holders(optimizer)]
+        for holder in found:
             objects.append(holder.state)
             objects += holder.state.keys()
-        held = list(itertools.chain.from_iterable(h.state.values() for _, h in optimizer_state.holders(optimizer)))
+        held = list(itertools.chain.from_iterable(holder.state.values() for holder in found))
         objects += held
         values += map(tuple, held)
         states = list(itertools.chain.from_iterable(map(dict.values, held)))

@@ -19,7 +19,7 @@ snapshots, state creation, distribution).
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -53,10 +53,13 @@ def split_key(optimizer: torch.optim.Optimizer, key: Any) -> tuple[torch.optim.O
     return optimizer, key
 
 
-def param_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[Any, Any]:
-    """The state of ``param`` in all holders, in a new dict (keys of wrapped holders prefixed)."""
+def param_state(
+    optimizer: torch.optim.Optimizer, param: torch.Tensor, found: Optional[list[tuple[str, torch.optim.Optimizer]]] = None
+) -> dict[Any, Any]:
+    """The state of ``param`` in all holders, in a new dict (keys of wrapped holders prefixed).
+    ``found``: ``holders(optimizer)``, where a loop over the parameters computed it once."""
     out: dict[Any, Any] = {}
-    for prefix, holder in holders(optimizer):
+    for prefix, holder in found if found is not None else holders(optimizer):
         st = holder.state.get(param)
         if st:
             out.update(st.items() if not prefix else ((f"{prefix}{k}", v) for k, v in st.items()))
@@ -72,8 +75,9 @@ def set_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: Any, v
 def items(optimizer: torch.optim.Optimizer) -> Iterator[tuple[torch.Tensor, dict[Any, Any]]]:
     """``(param, state)`` for every parameter with state in any holder (:func:`param_state`)."""
     seen: set[int] = set()
-    for _, holder in holders(optimizer):
+    found = holders(optimizer)
+    for _, holder in found:
         for p in holder.state:
             if id(p) not in seen:
                 seen.add(id(p))
-                yield p, param_state(optimizer, p)
+                yield p, param_state(optimizer, p, found)

@@ -1073,7 +1073,8 @@ class StateWatch:
     ) -> None:
         # (description, in a module, in a library module, object, snapshot)
         self._watched: list[tuple[str, bool, bool, Any, Any]] = []
-        seen: set = {id(m) for m in model.modules()} if model is not None else set()  # watched below, as the model's
+        model_modules = {id(m) for m in model.modules()} if model is not None else set()
+        seen: set = set(model_modules)  # watched below, as the model's
         assigned: set = set()
         for obj in objects:  # a hook's object (hook_functions): its attributes, as a global's
             if not isinstance(obj, nn.Module):
@@ -1092,7 +1093,7 @@ class StateWatch:
                     label = _variable_label(kind, name, fn)
                     self._watched.append((label, False, False, slot, slot.items()))
         if model is not None:
-            seen -= {id(m) for m in model.modules()}
+            seen -= model_modules
             for fqn, module in model.named_modules():
                 self._watch(module, f"model.{fqn}" if fqn else "model", True, not _is_user_class(type(module)), seen, 1)
 

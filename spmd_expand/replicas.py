@@ -42,10 +42,11 @@ def _state_tensors(model: nn.Module, optimizer: Optional[torch.optim.Optimizer])
         yield f"buffer {fqn}", b
     if optimizer is None:
         return
+    found = optimizer_state.holders(optimizer)
     for g, group in enumerate(optimizer.param_groups):
         for i, p in enumerate(group["params"]):
             where = fqns.get(id(p), f"param_groups[{g}]['params'][{i}]")
-            for key, value in optimizer_state.param_state(optimizer, p).items():
+            for key, value in optimizer_state.param_state(optimizer, p, found).items():
                 if isinstance(value, torch.Tensor):
                     yield f"optimizer state [{where}][{key!r}]", value
 

@@ -986,7 +986,8 @@ def trace_step(
                 original.copy_(wide)
                 if optimizer_state.param_state(optimizer, params[fqn]).get(key) is wide:
                     optimizer_state.set_state(optimizer, params[fqn], key, original)
-            traced_states = {fqn: optimizer_state.param_state(optimizer, params[fqn]) for fqn in params} if optimizer else {}
+            found = optimizer_state.holders(optimizer) if optimizer else []
+            traced_states = {fqn: optimizer_state.param_state(optimizer, params[fqn], found) for fqn in params} if optimizer else {}
         _write_back_assignments(held, params, buffers)
 
         ret_leaves, spec = pytree.tree_flatten(result)
