@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from . import optimizer_state
-from .errors import SpmdError, TraceError
+from .errors import SpmdError, TraceError, first_line
 from .expand import RedistributeCache
 from .guards import CallState, ObjectIds, Snapshot, batch_problems, cache_key, check_batch, initialize_optimizer_state, is_dense, snapshot
 from .lower import LOWERINGS
@@ -34,7 +34,7 @@ from .plans import Plan, ResolvedPlan, resolve_plan
 from .python_values import argument_key
 from .spec import AS_PRODUCED, replicate
 from .state import adopt_replaced_parameters, broadcast_materialized_state, check_optimizer_params, distribute_state, refuse_eager_calls, unwrapped
-from .trace import HyperParameter, InputRole, TensorSpec, TracedStep, hyperparameters_of
+from .trace import FloatArgument, HyperParameter, InputRole, TensorSpec, TracedStep, argument_labels, float_arguments, hyperparameters_of
 from .watch import as_timedelta, set_group_timeouts
 
 __all__ = ["compile", "CompiledStep", "Override", "StepArtifacts"]
@@ -64,6 +64,16 @@ class _Stale(Exception):
     """An input of the bound call is not what the graph was compiled for: take the full path."""
 
 
+class _FloatInputsFailed(Exception):
+    """Compiling with the step's float arguments as graph inputs failed (``error``): they may be read
+    where a symbolic float cannot go; the call is made again with them as constants."""
+
+    def __init__(self, error: SpmdError, float_args: Sequence[FloatArgument]):
+        super().__init__(str(error))
+        self.error = error
+        self.float_args = list(float_args)
+
+
 @dataclass
 class _Binding:
     """The last call that went through the full path, and how to read its inputs again.
@@ -84,7 +94,7 @@ class _Binding:
     batch: list[tuple]  # (shape, dtype, device) of every batch tensor
     constants: tuple
     gradient_sync: bool
-    hyperparameters: list[HyperParameter]
+    hyperparameters: list  # HyperParameter, then FloatArgument
 
     def local_inputs(self, batch_leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         out = list(self.local_template)
@@ -153,6 +163,9 @@ class CompiledStep:
         self._binding: Optional[_Binding] = None
         # The batch shapes and dtypes graphs were compiled for, first seen first.
         self._batch_shapes: list[tuple] = []
+        # The step's float arguments are graph inputs (FloatArgument), unless a compilation with them as
+        # inputs failed where one with their values did not: then they are constants of the graph.
+        self._float_inputs = True
         functools.update_wrapper(self, fn)
 
     def reset(self) -> None:
@@ -163,6 +176,7 @@ class CompiledStep:
         self.redistribute_cache = RedistributeCache()
         self._binding = None
         self._batch_shapes.clear()
+        self._float_inputs = True
 
     # ------------------------------------------------------------------ gradient accumulation
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
@@ -231,7 +245,7 @@ class CompiledStep:
         return roles, specs, placements, locals_
 
     # ------------------------------------------------------------------ compile
-    def _compile(self, args, kwargs, model, optimizer, roles, specs, placements, example_inputs) -> StepArtifacts:
+    def _compile(self, args, kwargs, model, optimizer, roles, specs, placements, example_inputs, float_args) -> StepArtifacts:
         params = dict(model.named_parameters())
         plan = self._resolved
         sync = self.requires_gradient_sync
@@ -248,6 +262,7 @@ class CompiledStep:
             lower=self.lower,
             keep_graphs=self.keep_graphs,
             timeout=self.timeout,
+            float_args=float_args,
         )
 
     def prepare(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
@@ -279,13 +294,37 @@ class CompiledStep:
             # it; the batch, inference tensors or not, is only read.
             with torch.inference_mode(False):
                 return self(*args, **kwargs)
+        try:
+            return self._call(args, kwargs)
+        except _FloatInputsFailed as failed:
+            # Traced as a symbolic float, an argument reached code that needs a number (a numpy call,
+            # a format string, a Python library): trace with the values, as before this step had
+            # float inputs. If that fails too, its error is the step's own problem.
+            self._float_inputs = False
+            try:
+                result = self._call(args, kwargs)
+            except SpmdError:
+                self._float_inputs = True
+                raise
+            names = ", ".join(fa.label for fa in failed.float_args)
+            warnings.warn(
+                f"spmd.compile: {getattr(self.fn, '__name__', 'the step')}'s float arguments ({names}) are "
+                f"constants of its graph, not inputs: traced as inputs, the step failed ({first_line(failed.error)}). "
+                f"Each new value compiles again; where one changes every call, keep it a tensor "
+                f"(`torch.tensor(value)`, an argument like the batch) or compute it inside the step",
+                stacklevel=2,
+            )
+            return result
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         leaves, _ = pytree.tree_flatten((args, kwargs))
         model = unwrapped(_find(leaves, nn.Module, "modules", at_most_one=False))
         optimizer = _find(leaves, torch.optim.Optimizer, "optimizers", at_most_one=True)
         given = [x for x in leaves if isinstance(x, torch.Tensor)]
         batch_leaves = _in_traced_layout(given)
-        constants = tuple(argument_key(x) for x in leaves if not isinstance(x, (torch.Tensor, nn.Module, torch.optim.Optimizer)))
-        bound = self._bound_call(model, optimizer, batch_leaves, constants)
+        float_args = float_arguments(self.fn, args, kwargs) if self._float_inputs else []
+        constants = self._constants(args, kwargs, leaves, {fa.position for fa in float_args})
+        bound = self._bound_call(model, optimizer, batch_leaves, constants, leaves)
         if bound is None:
             # Every full call: state loaded since the last call (e.g. by set_state_dict) may be plain tensors.
             self.prepare(model, optimizer)
@@ -294,8 +333,8 @@ class CompiledStep:
                 attempted = self._state_attempted.setdefault(optimizer, set())
                 if initialize_optimizer_state(model, optimizer, attempted):
                     self._distribute_state(model, optimizer)
-            hyperparameters = hyperparameters_of(optimizer)
-            values = [hp.read(optimizer) for hp in hyperparameters]
+            hyperparameters = [*hyperparameters_of(optimizer), *float_args]
+            values = [hp.read(optimizer, leaves) for hp in hyperparameters]
             selection = self._select(model, optimizer, batch_leaves, constants, hyperparameters, values)
             selected = selection.artifacts if selection else None
         else:
@@ -325,7 +364,20 @@ class CompiledStep:
                     given[i].copy_(batch_leaves[i])  # the step wrote the contiguous copy in place
         return result
 
-    def _bound_call(self, model, optimizer, batch_leaves, constants) -> Optional[tuple]:
+    def _constants(self, args: tuple, kwargs: dict, leaves: Sequence[Any], float_positions: set[int]) -> tuple:
+        """What the step's non-tensor arguments contribute to the cache key, ``name=value`` each
+        (:func:`~spmd_expand.python_values.argument_key`); a float that is a graph input by its type."""
+        labels = None
+        out = []
+        for i, x in enumerate(leaves):
+            if isinstance(x, (torch.Tensor, nn.Module, torch.optim.Optimizer)):
+                continue
+            if labels is None:
+                labels = argument_labels(self.fn, args, kwargs)
+            out.append(f"{labels[i]}=" + ("<float input>" if i in float_positions else argument_key(x)))
+        return tuple(out)
+
+    def _bound_call(self, model, optimizer, batch_leaves, constants, leaves) -> Optional[tuple]:
         """(artifacts, local inputs, hyperparameter values) when this call matches the last full one
         (:class:`_Binding`) and its graph's guards hold; else None (take the full path)."""
         binding = self._binding
@@ -342,7 +394,7 @@ class CompiledStep:
             locals_ = binding.local_inputs(batch_leaves)
         except _Stale:
             return None
-        values = [hp.read(optimizer) for hp in binding.hyperparameters]
+        values = [hp.read(optimizer, leaves) for hp in binding.hyperparameters]
         traced = binding.artifacts.traced
         if traced.guards.check(values) is not None or traced.python_guards.check() is not None:
             return None
@@ -398,7 +450,14 @@ class CompiledStep:
             if sel.compiled:
                 last = sel.compiled[-1].traced
                 failed = last.guards.check(values)
-                if failed is not None:
+                if failed is not None and "argument " in failed:
+                    why = (
+                        f"the traced code assumed {failed}. A float argument that the step branches on or reads as "
+                        f"a number (`torch.tensor(lam)`, `math.exp(lam)`, an op's float setting such as "
+                        f"`label_smoothing=lam` or `max_norm=lam`) recompiles on every change; where it changes every "
+                        f"call, pass it as a tensor (`torch.tensor(lam)` outside the step) and compute with that"
+                    )
+                elif failed is not None:
                     why = (
                         f"the traced code assumed {failed}. A hyperparameter that a code path or a kernel takes "
                         f"as a constant recompiles on every change; when a scheduler changes betas or momentum, "
@@ -409,10 +468,20 @@ class CompiledStep:
                 warnings.warn(
                     f"spmd.compile: compiling {getattr(self.fn, '__name__', 'the step')} again ({len(sel.compiled) + 1} "
                     f"graphs for this step): {why}",
-                    stacklevel=3,
+                    stacklevel=4,
                 )
+            else:
+                self._note_new_constants(constants)
             self._note_batch_shapes(batch_leaves)
-            artifacts = self._compile(args, kwargs, model, optimizer, sel.roles, sel.specs, sel.placements, sel.locals_ + values)
+            float_args = [hp for hp in hyperparameters if isinstance(hp, FloatArgument)]
+            try:
+                artifacts = self._compile(
+                    args, kwargs, model, optimizer, sel.roles, sel.specs, sel.placements, sel.locals_ + values, float_args
+                )
+            except SpmdError as e:
+                if float_args:
+                    raise _FloatInputsFailed(e, float_args) from e
+                raise
             sel.compiled.append(artifacts)
         self.last = artifacts
         self._bind(
@@ -421,6 +490,23 @@ class CompiledStep:
         )
         outputs = artifacts.runner(*sel.locals_, *values)
         return self._write_back(artifacts.traced, outputs, model, optimizer)
+
+    def _note_new_constants(self, constants: tuple) -> None:
+        """Warn when a graph is compiled because a non-tensor argument of the step has a value no
+        earlier call had: each value is a constant of its own graph, so an argument that changes on
+        every call (a step counter ``i``) compiles on every call."""
+        before = self._binding.constants if self._binding is not None else None
+        if before is None or before == constants or len(before) != len(constants):
+            return
+        changed = [f"{new} (before: {old.partition('=')[2]})" for new, old in zip(constants, before) if new != old]
+        warnings.warn(
+            f"spmd.compile: compiling {getattr(self.fn, '__name__', 'the step')} again for a new value of its "
+            f"arguments {', '.join(changed)}. A Python int, bool, string or object argument is a constant of "
+            f"the graph (one compilation per value, cached; a float is a graph input): one that changes on "
+            f"every call (a step counter) compiles on every call. Pass what the step decides with it "
+            f"(`sync=(i + 1) % accumulation == 0`: two values), or a tensor",
+            stacklevel=5,
+        )
 
     def _note_batch_shapes(self, batch_leaves: Sequence[torch.Tensor]) -> None:
         """Warn when a graph is compiled for batch shapes no earlier graph of this step had: each
@@ -444,7 +530,7 @@ class CompiledStep:
             f"traced and compiled once (cached); batches padded to their longest sequence compile once per "
             f"length. Pad every batch to one length, or a few (a tokenizer's padding=\"max_length\", "
             f"DataCollatorWithPadding(pad_to_multiple_of=64))",
-            stacklevel=4,
+            stacklevel=5,
         )
 
     def _write_back(self, traced: TracedStep, outputs: Sequence[torch.Tensor], model, optimizer) -> Any:
@@ -518,8 +604,9 @@ def compile(
 
     The first call traces and compiles; a later call whose state the graph did not see (another model
     or optimizer, ``train()``/``eval()``, ``requires_grad``, shapes, param-group structure; see
-    :mod:`spmd_expand.guards`) compiles again. Float hyperparameters (``lr``, ``betas``, ...) are graph
-    inputs: LR schedulers need no recompilation. After the first call the model's parameters and the
+    :mod:`spmd_expand.guards`) compiles again. Float hyperparameters (``lr``, ``betas``, ...) and the
+    step's float arguments are graph inputs: LR schedulers and a ``lam`` that changes every call need no
+    recompilation. After the first call the model's parameters and the
     optimizer's states are DTensors with the plan's placements (the model's parameters are new
     ``nn.Parameter`` objects: re-read them from the model rather than keeping old references).
 

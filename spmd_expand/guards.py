@@ -2,7 +2,8 @@
 optimizer state created before tracing.
 
 A compiled graph bakes in the structure of the model, the optimizer and the batch. Everything it bakes
-in is either a graph input (tensors, and the float hyperparameters of the optimizer's param groups) or
+in is either a graph input (tensors, the float hyperparameters of the optimizer's param groups and the
+step's float arguments) or
 part of :func:`cache_key` / a hyperparameter guard (``trace.HyperParameterGuards``), so a call whose
 state differs from the traced one compiles again instead of running a stale graph:
 
@@ -10,15 +11,17 @@ state differs from the traced one compiles again instead of running a stale grap
 graph input (no recompilation)           parameters, buffers, gradients, optimizer states,
                                          batch tensors, every float setting of every param
                                          group (``lr``, ``betas``, ``weight_decay``, ``eps``,
-                                         ``momentum``, ...; also a 0-d tensor ``lr``)
+                                         ``momentum``, ...; also a 0-d tensor ``lr``), every
+                                         float argument of the step (``trace.FloatArgument``)
 recompiles                               another model, optimizer or submodule object
                                          (a swapped activation); ``train()`` /
                                          ``eval()`` of any submodule; ``requires_grad`` of any
                                          parameter; param groups (members, non-float settings
                                          such as ``foreach``, ``nesterov``, ``amsgrad``);
                                          optimizer state keys and non-tensor state; batch
-                                         shapes and dtypes; gradient sync on/off; non-tensor
-                                         arguments of the step; a hyperparameter value that
+                                         shapes and dtypes; gradient sync on/off; non-tensor,
+                                         non-float arguments of the step; a hyperparameter or
+                                         float argument value that
                                          breaks an assumption of the traced code (e.g.
                                          ``weight_decay`` from 0 to non-zero, or any value a
                                          fused kernel took as a constant); a Python value
@@ -67,11 +70,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from . import optimizer_state
-from .errors import BatchError, CollectiveError, DivergenceError, first_line
+from .errors import BatchError, CollectiveError, DivergenceError, SpmdError, first_line
 from .plans import ResolvedPlan
 from .python_values import MODULE_HOOKS, TENSOR_HOOKS, hooks
 from .rng import GENERATOR_FIX
-from .trace import HyperParameter
+from .trace import FloatArgument, HyperParameter
 from .watch import is_communication_failure
 
 __all__ = ["CallState", "ObjectIds", "Snapshot", "batch_problems", "cache_key", "check_batch", "initialize_optimizer_state", "mesh_group", "snapshot", "state_summary"]
@@ -122,7 +125,7 @@ def cache_key(
     groups: tuple = ()
     state: tuple = ()
     if optimizer is not None:
-        floats = {(hp.group, hp.key) for hp in hyperparameters}
+        floats = {(hp.group, hp.key) for hp in hyperparameters if isinstance(hp, HyperParameter)}
         groups = tuple(
             (
                 tuple(fqn_of.get(id(p), "?") for p in g["params"]),
@@ -471,7 +474,7 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: Optional[ResolvedPlan], me
     batches_agree = all(r[:2] == reports[0][:2] and not r[1] for r in reports)
     if batches_agree and all(r[2] == reports[0][2] for r in reports):
         if any(repr(r[3]) != repr(reports[0][3]) for r in reports):
-            raise _different_hyperparameters(call.hyperparameters, ranks, [r[3] for r in reports])
+            raise _different_values(call.hyperparameters, ranks, [r[3] for r in reports])
         if any(r[4] != reports[0][4] for r in reports):
             raise _different_graphs(ranks, [r[4] for r in reports], [r[5] for r in reports])
         shown = "\n".join(f"  rank {rank}: {r[6]}" for rank, r in zip(ranks, reports))
@@ -635,14 +638,24 @@ def _check_replicated_values(leaves: Sequence[torch.Tensor], plan: ResolvedPlan,
         )
 
 
-def _different_hyperparameters(hyperparameters: Sequence[HyperParameter], ranks: Sequence[int], values: Sequence[tuple]) -> DivergenceError:
-    """The error for ranks whose optimizer hyperparameter ``values`` (one tuple per rank) differ."""
+def _different_values(hyperparameters: Sequence[Any], ranks: Sequence[int], values: Sequence[tuple]) -> SpmdError:
+    """The error for ranks whose graph's float inputs ``values`` (one tuple per rank) differ: the
+    optimizer's hyperparameters (``DivergenceError``) or the step's float arguments (``BatchError``)."""
     if len({len(v) for v in values}) == 1:
         differ = [i for i in range(len(values[0])) if len({repr(v[i]) for v in values}) > 1]
         shown = "\n".join(
             f"  {hyperparameters[i]}: " + ", ".join(f"rank {rank} {v[i]!r}" for rank, v in zip(ranks, values))
             for i in differ
         )
+        if all(isinstance(hyperparameters[i], FloatArgument) for i in differ):
+            return BatchError(
+                "the ranks pass different float arguments to the step:\n" + shown + "\n"
+                "  a compiled step is one program over the global batch, and a Python argument is one of its "
+                "values, the same on every rank; the step did not run, nothing was updated\n"
+                "  fix: pass every rank the same value (draw a random one from a generator seeded the same on "
+                "every rank, or broadcast it from rank 0); a value computed from a rank's own batch is computed "
+                "inside the step instead, where the batch is the global one"
+            )
     else:
         shown = "\n".join(f"  rank {rank}: {len(v)} hyperparameters {v}" for rank, v in zip(ranks, values))
     return DivergenceError(

@@ -228,6 +228,7 @@ def expand_step(
     out_placements: Optional[Callable[[TracedStep], list]] = None,
     timeout: Optional[timedelta] = None,
     parameter_hooks: bool = True,
+    float_args: Sequence[Any] = (),
 ) -> StepArtifacts:
     """Run the stages up to the local passes (not lower) and return what they produced.
 
@@ -239,7 +240,8 @@ def expand_step(
     states per the plan). ``timeout`` bounds the cross-rank check's wait (default: the store's). The
     returned artifacts have no runner yet. ``parameter_hooks``: run the parameters' gradient hooks in
     the trace (``spmd.compile``); False where eager autograd runs them on the gradients the graph
-    returns (the ``torch.compile`` backend).
+    returns (the ``torch.compile`` backend). ``float_args``: the step's float arguments that are
+    graph inputs (:func:`~spmd_expand.trace.float_arguments`), after the optimizer's hyperparameters.
 
     Raises:
         TraceError, UnsupportedOpError, PlacementError, PassError: from the stage that failed.
@@ -249,7 +251,7 @@ def expand_step(
     with clock.stage("trace"), _overrides(model, module_override), traceable_batch_norms(model):
         traced = trace_step(
             fn, args, kwargs, model, optimizer, roles, specs, plan.module_layouts(), plan.mixed_precision(model),
-            parameter_hooks=parameter_hooks,
+            parameter_hooks=parameter_hooks, float_args=float_args,
         )
     # The trace-time module swaps above are undone: bind the module reads to the model's own modules.
     traced.python_guards.bind(model)

@@ -15,7 +15,8 @@ The step is traced with ``make_fx`` on fake tensors that have the *global* shape
 
 The graph's placeholders follow :attr:`TracedStep.inputs` (tensors), then
 :attr:`TracedStep.hyperparameters` (Python floats: learning rates, betas, weight decay, ... of the
-optimizer's param groups, traced as ``SymFloat`` so that a new value needs no new graph); its outputs
+optimizer's param groups, then the step's float arguments, traced as ``SymFloat`` so that a new value
+needs no new graph); its outputs
 follow :attr:`TracedStep.outputs`.
 
 Inside the step the module's parameters are the traced leaves themselves (the same objects the
@@ -30,6 +31,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import inspect
 import re
 import traceback
 import warnings
@@ -78,12 +80,15 @@ from .loss_parallel import MarkLossParallel
 from .plans import MixedPrecision, ParamCast
 
 __all__ = [
+    "FloatArgument",
     "HyperParameter",
     "HyperParameterGuards",
     "InputRole",
     "OutputRole",
     "TracedStep",
     "TensorSpec",
+    "argument_labels",
+    "float_arguments",
     "hyperparameters_of",
     "is_runtime_scalar",
     "trace_step",
@@ -136,7 +141,7 @@ class HyperParameter:
     key: str
     index: Optional[int] = None
 
-    def read(self, optimizer: torch.optim.Optimizer) -> float:
+    def read(self, optimizer: torch.optim.Optimizer, leaves: Sequence[Any] = ()) -> float:
         value = optimizer.param_groups[self.group][self.key]
         if self.index is not None:
             value = value[self.index]
@@ -149,6 +154,65 @@ class HyperParameter:
     def name(self) -> str:
         """A dotted name for graph dumps: ``0.lr``, ``0.betas.1``."""
         return f"{self.group}.{self.key}" + (f".{self.index}" if self.index is not None else "")
+
+
+@dataclass(frozen=True)
+class FloatArgument:
+    """A Python float among the step's arguments: a mixup ``lam`` drawn every step, a KL weight or an
+    EMA decay a schedule changes, a gradient-reversal coefficient.
+
+    Like the optimizer's float settings it is a graph input (traced as a ``SymFloat``), so a new value
+    needs no new graph; what the trace assumed about it (``if lam > 0.5:``) is a hyperparameter guard.
+    ``position`` is its index among the leaves of ``pytree.tree_flatten((args, kwargs))``; ``label``
+    names it for messages and dumps (``lam``, ``cfg['beta']``).
+    """
+
+    position: int
+    label: str
+
+    def read(self, optimizer: Optional[torch.optim.Optimizer], leaves: Sequence[Any]) -> float:
+        return float(leaves[self.position])
+
+    def __str__(self) -> str:
+        return f"argument {self.label}"
+
+    @property
+    def name(self) -> str:
+        """A name for graph dumps: ``arg.lam``."""
+        return f"arg.{self.label}"
+
+
+def argument_labels(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[str]:
+    """A name for each leaf of ``pytree.tree_flatten((args, kwargs))``, for messages: the parameter of
+    ``fn`` it is passed as, with the path inside a list, tuple or dict (``lam``, ``cfg['beta']``,
+    ``args[5]`` for one of ``*args``)."""
+    flat, _ = pytree.tree_flatten_with_path((args, kwargs))
+    try:
+        names = [
+            name for name, p in inspect.signature(fn).parameters.items()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):  # a callable without a signature
+        names = []
+    labels = []
+    for path, _leaf in flat:
+        key = path[1]
+        if path[0].idx == 1:  # a keyword argument
+            top = str(key.key)
+        else:
+            top = names[key.idx] if key.idx < len(names) else f"args[{key.idx}]"
+        labels.append(top + pytree.keystr(path[2:]))
+    return labels
+
+
+def float_arguments(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[FloatArgument]:
+    """The Python floats among ``fn``'s arguments, also inside lists, tuples and dicts (not bools,
+    ints or attributes of objects), in the order of ``pytree.tree_flatten((args, kwargs))``."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    if not any(isinstance(leaf, float) for leaf in leaves):
+        return []
+    labels = argument_labels(fn, args, kwargs)
+    return [FloatArgument(i, labels[i]) for i, leaf in enumerate(leaves) if isinstance(leaf, float)]
 
 
 def _is_float_setting(value: Any) -> bool:
@@ -221,7 +285,7 @@ class TracedStep:
     # Parameters whose gradient was an input and is None after the step (zero_grad()).
     cleared_grads: list[str]
     fake_mode: FakeTensorMode = field(repr=False)
-    hyperparameters: list[HyperParameter] = field(default_factory=list)
+    hyperparameters: list = field(default_factory=list)  # HyperParameter, then FloatArgument
     guards: HyperParameterGuards = field(default_factory=lambda: HyperParameterGuards([], [], []))
     # Python values the trace read and baked in (module attributes, globals, closure variables).
     python_guards: PythonGuards = field(default_factory=PythonGuards)
@@ -759,6 +823,8 @@ def _optimizer_on(
     for group in optimizer.param_groups:
         group["params"] = [swap[id(p)] for p in group["params"]]
     for hp, value in zip(hyperparameters, values):
+        if not isinstance(hp, HyperParameter):  # a float argument of the step
+            continue
         group = optimizer.param_groups[hp.group]
         if hp.key == "lr" and group.get("fused"):
             # Fused kernels take a float lr as a constant; their tensor-lr overload keeps it an input
@@ -873,6 +939,7 @@ def trace_step(
     module_layouts: Optional[Mapping[str, list]] = None,
     mixed_precision: Optional[MixedPrecision] = None,
     parameter_hooks: bool = True,
+    float_args: Sequence[FloatArgument] = (),
 ) -> TracedStep:
     """Trace ``fn(*args, **kwargs)`` into a functional global graph.
 
@@ -884,6 +951,8 @@ def trace_step(
             (:meth:`spmd_expand.plans.ResolvedPlan.mixed_precision`); None: none.
         parameter_hooks: register each parameter's gradient and post-accumulate-grad hooks on the
             tensor that stands for it, so the trace runs them (False: the caller's autograd runs them).
+        float_args: the float arguments of the step that are graph inputs (:func:`float_arguments`),
+            after the optimizer's hyperparameters; the others are traced with their values.
         input_roles / input_specs: one entry per graph input, with global shapes. Batch inputs
             (``kind == "batch"``, ``key`` = index among the tensor leaves of ``(args, kwargs)``) take
             the place of those leaves; param/buffer/grad/state inputs replace the model's and
@@ -907,16 +976,16 @@ def trace_step(
     fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
     shape_env = fake_mode.shape_env
     fakes = [_fake(fake_mode, s) for s in input_specs]
-    hyperparameters = hyperparameters_of(optimizer)
+    leaves, tree = pytree.tree_flatten((args, kwargs))
+    hyperparameters: list = [*hyperparameters_of(optimizer), *float_args]
     symbols = [
-        shape_env.create_unspecified_symbol(hp.read(optimizer), ConstantSource(str(hp)), DimDynamic.DYNAMIC)
+        shape_env.create_unspecified_symbol(hp.read(optimizer, leaves), ConstantSource(str(hp)), DimDynamic.DYNAMIC)
         for hp in hyperparameters
     ]
     sym_values = [
-        shape_env.create_symfloatnode(sym, hint=hp.read(optimizer), source=ConstantSource(str(hp)))
+        shape_env.create_symfloatnode(sym, hint=hp.read(optimizer, leaves), source=ConstantSource(str(hp)))
         for sym, hp in zip(symbols, hyperparameters)
     ]
-    leaves, tree = pytree.tree_flatten((args, kwargs))
     tensor_leaf_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
     real_params = dict(model.named_parameters())
@@ -966,6 +1035,9 @@ def trace_step(
         new_leaves = list(leaves)
         for i, pos in enumerate(tensor_leaf_positions):
             new_leaves[pos] = batch[i]
+        for hp, value in zip(hyperparameters, hp_values):
+            if isinstance(hp, FloatArgument):
+                new_leaves[hp.position] = value
         call_args, call_kwargs = pytree.tree_unflatten(new_leaves, tree)
 
         # The module and the optimizer hold the same leaves; _StepMode marks where they are read.

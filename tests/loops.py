@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import math
 import traceback
 from typing import Callable, Optional
 
@@ -273,6 +274,45 @@ def explicit_gradient_step(model, optimizer, x, y):
     return out.sum()
 
 
+def mixup_argument_step(model, optimizer, x, y, lam):
+    """mixup with its coefficient drawn outside the step (``lam = np.random.beta(a, a)`` in the loop) and
+    passed in: a Python float that changes on every call."""
+    out = model(lam * x + (1 - lam) * x.flip(0))
+    loss = lam * F.cross_entropy(out, y) + (1 - lam) * F.cross_entropy(out, y.flip(0))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+class StudentTeacher(nn.Module):
+    """BYOL/DINO/MoCo: a teacher without gradients that follows the student as an exponential moving
+    average; ``momentum`` follows a schedule, passed to the step each call."""
+
+    def __init__(self):
+        super().__init__()
+        self.student = TwoLayer()
+        self.teacher = TwoLayer().requires_grad_(False)
+
+
+def ema_teacher_step(model, optimizer, x, y, momentum):
+    s = model.student(x)
+    with torch.no_grad():
+        t = model.teacher(x)
+    loss = (F.normalize(s, dim=-1) - F.normalize(t, dim=-1)).pow(2).sum(-1).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        for ps, pt in zip(model.student.parameters(), model.teacher.parameters()):
+            pt.mul_(momentum).add_(ps.detach(), alpha=1 - momentum)
+    return loss
+
+
+def _momentum_schedule(i):
+    return (1 - 0.5 * (math.cos(math.pi * i / 4) + 1) * 0.1,)
+
+
 def _batch(i: int, rows: int = BATCH):
     g = torch.Generator().manual_seed(1000 + i)
     return torch.randn(rows, 16, generator=g), torch.randint(0, 4, (rows,), generator=g)
@@ -288,9 +328,11 @@ def run_loop(
     between: Optional[Callable] = None,
     steps: int = STEPS,
     lower: str = "eager",
+    arguments: Optional[Callable[[int], tuple]] = None,
 ) -> dict:
     """Train compiled and reference copies for ``steps`` calls; ``between(i, pair)`` runs before call i
-    on both ``pair = {"model", "optimizer"}`` dicts (it may replace either object)."""
+    on both ``pair = {"model", "optimizer"}`` dicts (it may replace either object); ``arguments(i)``
+    are the step's arguments after the batch in call i."""
     torch.manual_seed(0)
     model = model_fn()
     ref_model = copy.deepcopy(model)
@@ -313,9 +355,10 @@ def run_loop(
         x, y = _batch(i)
         local = shard(x, y)
         torch.manual_seed(100 + i)  # steps that draw (a mixup permutation) draw the same on both sides
-        outs.append(compiled(compiled_pair["model"], compiled_pair["optimizer"], *local))
+        extra = arguments(i) if arguments is not None else ()
+        outs.append(compiled(compiled_pair["model"], compiled_pair["optimizer"], *local, *extra))
         torch.manual_seed(100 + i)
-        ref_outs.append(step(ref_pair["model"], ref_pair["optimizer"], x, y))
+        ref_outs.append(step(ref_pair["model"], ref_pair["optimizer"], x, y, *extra))
 
     def states(pair):
         # An optimizer wrapper's (Lookahead's) and its base optimizer's.
@@ -899,6 +942,9 @@ SCENARIOS: dict[str, dict] = {
     "forwarding_wrapper_adamw": dict(
         optimizer_fn=lambda ps: ForwardingWrapper(torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)), between=set_lr
     ),
+    # Float arguments of the step are graph inputs: one compilation while they change every call.
+    "float_argument_mixup": dict(step=mixup_argument_step, arguments=lambda i: ([0.7, 0.2, 0.9, 0.4, 0.6][i],)),
+    "float_argument_ema_teacher": dict(model_fn=StudentTeacher, step=ema_teacher_step, arguments=_momentum_schedule),
     "lookahead_attribute_count_adamw": dict(
         optimizer_fn=lambda ps: AttributeCountedLookahead(torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)), steps=5
     ),
@@ -998,13 +1044,20 @@ def run_bad_batches(rank: int, world: int) -> dict:
     step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(scaled_step)
     model, x_y = TwoLayer(), _batch(0, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    step(model, optimizer, *x_y, 1.0)
-    step(model, optimizer, *x_y, 2.0)
+    step(model, optimizer, *x_y, 1)
+    step(model, optimizer, *x_y, 2)
     try:
-        step(model, optimizer, *x_y, [1.0, 2.0][rank])
+        step(model, optimizer, *x_y, [1, 2][rank])
         results["different_constants"] = "no error"
     except spmd.SpmdError as e:
         results["different_constants"] = f"{type(e).__name__}: {e}"
+    # A float argument is a graph input (one graph for every value), compared across ranks the same way.
+    step(model, optimizer, *x_y, 1.0)
+    try:
+        step(model, optimizer, *x_y, [1.0, 2.0][rank])
+        results["different_float_arguments"] = "no error"
+    except spmd.SpmdError as e:
+        results["different_float_arguments"] = f"{type(e).__name__}: {e}"
     # An argument whose repr names its address (different in each process) is the same value.
     step(model, optimizer, *x_y, 1.0, _Options())
     # An LR scheduler stepped on rank 0 only (`if rank == 0:` around logging and scheduling, or

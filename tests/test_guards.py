@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import math
 import types
+import warnings
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ import torch.nn as nn
 
 import spmd_expand as spmd
 from spmd_expand.guards import snapshot
+from spmd_expand.trace import FloatArgument
 
 
 class Net(nn.Module):
@@ -511,3 +514,77 @@ def test_an_attribute_of_the_object_a_method_step_belongs_to_is_guarded(fake_mes
     with pytest.warns(UserWarning, match=r"attribute loss_scale of the _Trainer object of _Trainer.train_step == 1.0 \(now 4.0\)"):
         step(model, optimizer, x)
     assert step.last is not first
+
+
+# ------------------------------------------------------------------ float arguments of the step
+
+
+def _weighted_step(model, optimizer, x, lam, cfg):
+    loss = model(x).square().mean() * lam + model(x).abs().mean() * cfg["beta"]
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_float_arguments_are_graph_inputs(fake_mesh):
+    """A Python float among the step's arguments (a mixup ``lam``, a weight in a dict) is a graph input,
+    as ``lr`` is: new values every call, one compilation, no warning."""
+    model, optimizer, step, x = _compiled(fake_mesh, _weighted_step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for lam, beta in [(0.5, 0.1), (0.7, 0.2), (0.1, 0.9), (0.5, 0.1)]:
+            step(model, optimizer, x, lam, {"beta": beta})
+    assert sum(len(v) for v in step.cache.values()) == 1
+    assert [hp.label for hp in step.last.traced.hyperparameters if isinstance(hp, FloatArgument)] == ["lam", "cfg['beta']"]
+
+
+def _exp_step(model, optimizer, x, lam):
+    scale = math.exp(lam) if lam > 0.5 else 1.0  # a branch, then a read as a number (specialized)
+    return _step(model, optimizer, x * scale)
+
+
+def test_a_float_argument_read_as_a_number_compiles_once_per_value(fake_mesh):
+    """Where the step needs the number (``math.exp(lam)``) the graph holds it: a new value compiles
+    again, with a warning that names the argument; where it only branches, one graph per side."""
+    model, optimizer, step, x = _compiled(fake_mesh, _exp_step)
+    step(model, optimizer, x, 0.1)
+    step(model, optimizer, x, 0.2)  # the same side of the branch: the same graph
+    assert sum(len(v) for v in step.cache.values()) == 1
+    with pytest.warns(UserWarning, match=r"assumed argument lam <= 0.5.*float argument that the step branches on"):
+        step(model, optimizer, x, 0.7)
+    with pytest.warns(UserWarning, match=r"assumed Eq\(argument lam, 0.7\)"):
+        step(model, optimizer, x, 0.8)
+    assert sum(len(v) for v in step.cache.values()) == 3
+
+
+def _formatted_step(model, optimizer, x, lam):
+    tag = f"{lam:.2f}"  # a format spec a symbolic float does not take
+    return _step(model, optimizer, x * lam) if tag else None
+
+
+def test_float_arguments_that_cannot_be_inputs_become_constants_with_a_warning(fake_mesh):
+    """A step that fails with its float arguments as inputs is traced with their values: it runs, says
+    why, and says so again for each value that compiles."""
+    model, optimizer, step, x = _compiled(fake_mesh, _formatted_step)
+    with pytest.warns(UserWarning, match=r"float arguments \(lam\) are constants of its graph.*SymFloat.__format__"):
+        step(model, optimizer, x, 0.5)
+    with pytest.warns(UserWarning, match=r"new value of its arguments lam=0.25 \(before: 0.5\)"):
+        step(model, optimizer, x, 0.25)
+    assert sum(len(v) for v in step.cache.values()) == 2
+
+
+def _counter_step(model, optimizer, x, i):
+    return _step(model, optimizer, x) if i >= 0 else None
+
+
+def test_an_int_argument_with_a_new_value_compiles_again_with_a_warning(fake_mesh):
+    """An int argument is a constant of the graph: a step counter passed in compiles on every call, and
+    says so (before, it compiled silently)."""
+    model, optimizer, step, x = _compiled(fake_mesh, _counter_step)
+    step(model, optimizer, x, 0)
+    with pytest.warns(UserWarning, match=r"new value of its arguments i=1 \(before: 0\).*a step counter"):
+        step(model, optimizer, x, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(model, optimizer, x, 0)  # cached: no compilation, no warning

@@ -18,12 +18,12 @@ RTOL, ATOL = 1e-4, 1e-5
 
 DDP = list(loops.SCENARIOS)
 CLIP = ["clip_grad_norm", "clip_grad_value", "grads_through_module", "zero_grad_set_to_none_false"]
-FSDP = CLIP + ["torch_compiled_model", "torch_compiled_block", "data_assignment_sgd", "grad_data_clamp", "flat_vector_update", "ema_codebook_in_forward", "pgd_adversarial", "grad_data_in_hook", "lamb_python_int_step", "adamw_python_int_step_resumed", "adamw_python_int_step_in_group", "contrastive_clip", "mixup_randperm", "manual_sgd_no_optimizer", "gradient_penalty_double_backward", "buffer_assigned", "gradient_hooks", "forward_hook_added", "step_lr", "one_cycle_adam_foreach", "freeze_unfreeze", "zero_grad_first", "muon_fp32", "evaluate_inference_mode", "load_full_state_dict", "modes_set_inside_steps", "learnable_temperature_adamw", "lookahead_attribute_count_adamw"]
+FSDP = CLIP + ["torch_compiled_model", "torch_compiled_block", "data_assignment_sgd", "grad_data_clamp", "flat_vector_update", "ema_codebook_in_forward", "pgd_adversarial", "grad_data_in_hook", "lamb_python_int_step", "adamw_python_int_step_resumed", "adamw_python_int_step_in_group", "contrastive_clip", "mixup_randperm", "manual_sgd_no_optimizer", "gradient_penalty_double_backward", "buffer_assigned", "gradient_hooks", "forward_hook_added", "step_lr", "one_cycle_adam_foreach", "freeze_unfreeze", "zero_grad_first", "muon_fp32", "evaluate_inference_mode", "load_full_state_dict", "modes_set_inside_steps", "learnable_temperature_adamw", "lookahead_attribute_count_adamw", "float_argument_ema_teacher"]
 TP = CLIP + ["cosine", "train_eval", "muon_fp32", "torch_compiled_model", "load_full_state_dict"]
 TWO_D = ["clip_grad_norm", "grads_through_module"]
 # Under the default lowering: Inductor would compile float hyperparameters in as constants
 # (spmd_expand/tensorify.py); every one of these changes one between calls.
-INDUCTOR = ["lr_set_directly_sgd", "step_lr", "one_cycle_adam_foreach", "betas_weight_decay_eps", "momentum", "cosine", "bf16_adamw_cosine"]
+INDUCTOR = ["lr_set_directly_sgd", "step_lr", "one_cycle_adam_foreach", "betas_weight_decay_eps", "momentum", "cosine", "bf16_adamw_cosine", "float_argument_mixup"]
 INDUCTOR_FSDP = ["step_lr", "one_cycle_sgd"]
 
 # Compilations per loop: AdamW's lazy state is created before tracing, so a loop compiles once even
@@ -40,6 +40,8 @@ ONE_COMPILATION = [
     "module_attribute_not_read",
     "buffer_assigned",
     "forwarding_wrapper_adamw",  # the wrapped AdamW's state is created before tracing too
+    "float_argument_mixup",  # a float argument of the step is a graph input, like lr
+    "float_argument_ema_teacher",
 ]
 
 
@@ -158,7 +160,10 @@ def test_refused_batches():
         sparse = res["sparse_on_rank_0"]
         assert sparse.startswith("BatchError: the step's batch tensors cannot be placed"), sparse
         assert "problem: not dense: tensor argument 0 has layout torch.sparse_coo" in sparse and "`t.to_dense()`" in sparse
-        assert "rank 0: 1.0\n  rank 1: 2.0" in res["different_constants"]
+        assert "rank 0: scale=1\n  rank 1: scale=2" in res["different_constants"], res["different_constants"]
+        floats = res["different_float_arguments"]
+        assert floats.startswith("BatchError: the ranks pass different float arguments"), floats
+        assert "argument scale: rank 0 1.0, rank 1 2.0" in floats, floats
         lr = res["different_lr"]
         assert lr.startswith("DivergenceError: the ranks' optimizers have different hyperparameters"), lr
         assert "param_groups[0]['lr']: rank 0 0.025, rank 1 0.05" in lr and "step the LR scheduler on every rank" in lr
