@@ -32,6 +32,7 @@ import collections
 import contextlib
 import functools
 import inspect
+import math
 import re
 import traceback
 import warnings
@@ -255,11 +256,20 @@ class HyperParameterGuards:
     symbols: list[sympy.Symbol]
     conditions: list[sympy.Expr]
     sources: list[str]
+    # The traced value and name of each hyperparameter: a symbol is a finite real, so what the trace
+    # assumed about an infinite or NaN value (`float(max_norm)` with max_norm=inf) is a guard that
+    # sympy folds to False and drops. A graph traced with such a value is only for that value, and a
+    # graph traced with finite values only for finite ones.
+    hints: list[float] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
     _compiled: Optional[Callable[..., list]] = field(default=None, init=False, repr=False, compare=False)
 
     def check(self, values: Sequence[float]) -> Optional[str]:
         """None when every condition holds for ``values`` (one per hyperparameter), else the first
         failing condition, written with the hyperparameter names."""
+        for hint, value, name in zip(self.hints, values, self.names):
+            if not (math.isfinite(hint) and math.isfinite(value)) and repr(float(hint)) != repr(float(value)):
+                return f"{name} == {hint!r}"
         if not self.conditions:
             return None
         if self._compiled is None:
@@ -978,13 +988,14 @@ def trace_step(
     fakes = [_fake(fake_mode, s) for s in input_specs]
     leaves, tree = pytree.tree_flatten((args, kwargs))
     hyperparameters: list = [*hyperparameters_of(optimizer), *float_args]
+    hints = [hp.read(optimizer, leaves) for hp in hyperparameters]
     symbols = [
-        shape_env.create_unspecified_symbol(hp.read(optimizer, leaves), ConstantSource(str(hp)), DimDynamic.DYNAMIC)
-        for hp in hyperparameters
+        shape_env.create_unspecified_symbol(hint, ConstantSource(str(hp)), DimDynamic.DYNAMIC)
+        for hp, hint in zip(hyperparameters, hints)
     ]
     sym_values = [
-        shape_env.create_symfloatnode(sym, hint=hp.read(optimizer, leaves), source=ConstantSource(str(hp)))
-        for sym, hp in zip(symbols, hyperparameters)
+        shape_env.create_symfloatnode(sym, hint=hint, source=ConstantSource(str(hp)))
+        for sym, hp, hint in zip(symbols, hyperparameters, hints)
     ]
     tensor_leaf_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
@@ -1191,7 +1202,7 @@ def trace_step(
         list(cleared_grads),
         fake_mode,
         hyperparameters,
-        _hyperparameter_guards(shape_env, symbols, hyperparameters),
+        _hyperparameter_guards(shape_env, symbols, hyperparameters, hints),
         PythonGuards(
             code_reads(user_functions) + class_attribute_reads(user_functions, owners) + recorded[-1].values,
             global_state,
@@ -1671,7 +1682,7 @@ def _widen_scalar_states(by_role, states, real_params, fqns) -> list:
 
 
 def _hyperparameter_guards(
-    shape_env: ShapeEnv, symbols: list[sympy.Symbol], hyperparameters: list[HyperParameter]
+    shape_env: ShapeEnv, symbols: list[sympy.Symbol], hyperparameters: list, hints: list[float]
 ) -> HyperParameterGuards:
     """The shape env's guards that mention hyperparameter symbols, other symbols bound to their hints.
 
@@ -1686,7 +1697,7 @@ def _hyperparameter_guards(
         condition = guard.expr.xreplace(sizes)
         conditions.append(condition)
         sources.append(str(condition.xreplace({s: sympy.Symbol(n) for s, n in names.items()})))
-    return HyperParameterGuards(symbols, conditions, sources)
+    return HyperParameterGuards(symbols, conditions, sources, list(hints), [str(hp) for hp in hyperparameters])
 
 
 def _drop_profiler_nodes(gm: fx.GraphModule) -> None:

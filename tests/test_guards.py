@@ -588,3 +588,31 @@ def test_an_int_argument_with_a_new_value_compiles_again_with_a_warning(fake_mes
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         step(model, optimizer, x, 0)  # cached: no compilation, no warning
+
+
+def _clipped_step(model, optimizer, x, max_norm):
+    loss = model(x).square().mean()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_an_infinite_float_argument_gets_a_graph_of_its_own(fake_mesh):
+    """``max_norm=float("inf")`` (clipping off, a common default) is read as a number by
+    ``clip_grad_norm_``; sympy folds that guard (symbols are finite) to False, and it was dropped: the
+    graph traced for inf ran, clipping nothing, after max_norm changed to 0.01. A graph traced with a
+    non-finite value is now only for that value, and a finite one's only for finite values."""
+    model, optimizer, step, x = _compiled(fake_mesh, _clipped_step)
+    step(model, optimizer, x, float("inf"))
+    step(model, optimizer, x, float("inf"))
+    inf_graph = step.last
+    with pytest.warns(UserWarning, match=r"assumed argument max_norm == inf"):
+        step(model, optimizer, x, 0.01)
+    assert step.last is not inf_graph
+    step(model, optimizer, x, float("inf"))
+    assert step.last is inf_graph
+    with pytest.warns(UserWarning, match=r"argument max_norm == 0.01"):  # the last graph's
+        step(model, optimizer, x, float("nan"))
+    assert sum(len(v) for v in step.cache.values()) == 3
