@@ -356,7 +356,7 @@ class CompiledStep:
             if bound is not None:
                 artifacts, locals_, values = bound
                 self.last = artifacts
-                result = self._write_back(artifacts.traced, artifacts.runner(*locals_, *values), model, optimizer)
+                result = self._write_back(artifacts.traced, artifacts.runner(*locals_, *values), model, optimizer, values)
             else:
                 result = self._run(args, kwargs, model, optimizer, batch_leaves, constants, hyperparameters, values, selection)
             for i in self.last.traced.mutated_batch_leaves:
@@ -489,7 +489,7 @@ class CompiledStep:
             hyperparameters, artifacts,
         )
         outputs = artifacts.runner(*sel.locals_, *values)
-        return self._write_back(artifacts.traced, outputs, model, optimizer)
+        return self._write_back(artifacts.traced, outputs, model, optimizer, values)
 
     def _note_new_constants(self, constants: tuple) -> None:
         """Warn when a graph is compiled because a non-tensor argument of the step has a value no
@@ -533,8 +533,9 @@ class CompiledStep:
             stacklevel=5,
         )
 
-    def _write_back(self, traced: TracedStep, outputs: Sequence[torch.Tensor], model, optimizer) -> Any:
-        """Store new optimizer states and gradients as DTensors; return the user's values."""
+    def _write_back(self, traced: TracedStep, outputs: Sequence[torch.Tensor], model, optimizer, values: Sequence[float]) -> Any:
+        """Store new optimizer states and gradients as DTensors, assign the Python values the step
+        assigns (``values``: the call's hyperparameter values); return the user's values."""
         if (
             len(traced.outputs) == traced.return_is_tensor.count(True) and not traced.cleared_grads
             and not traced.state_writes and not traced.group_writes and not traced.mode_writes
@@ -564,7 +565,7 @@ class CompiledStep:
         for fqn, training in traced.mode_writes:
             model.get_submodule(fqn).training = training
         for assign in traced.python_writes:
-            assign()
+            assign(values)
         return pytree.tree_unflatten(_fill(returns, traced.return_is_tensor), traced.return_spec)
 
 

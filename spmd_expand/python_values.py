@@ -46,6 +46,7 @@ calls of `print` (both run once, when the step is traced: warned about).
 
 from __future__ import annotations
 
+import argparse
 import collections
 import contextlib
 import dis
@@ -913,7 +914,9 @@ class StateChange:
     same assignments again. The graph runs only where every value the trace read is what it read (its
     guards), so these values are what the step's Python would assign on that call: storing them after
     each run keeps a counter the step reads in step with one device's (a cycle of values reuses cached
-    graphs, whose Python does not run)."""
+    graphs, whose Python does not run). ``assigned`` holds those values; a symbolic number among them
+    (``self.last_lam = lam`` of a float input) is what ``replay(resolve)`` passes through ``resolve``
+    to get the call's value."""
 
     description: str
     detail: str
@@ -922,7 +925,8 @@ class StateChange:
     # In a module whose class is library code (torch's, an installed package's): its own bookkeeping.
     in_library_module: bool
     undo: Callable[[], None]
-    replay: Optional[Callable[[], None]] = None
+    replay: Optional[Callable[..., None]] = None
+    assigned: Optional[dict] = None
 
 
 def _is_traced(value: Any) -> bool:
@@ -937,7 +941,10 @@ def _is_traced(value: Any) -> bool:
 
 def _is_user_object(value: Any) -> bool:
     """A settings object (:func:`is_settings_object`) with a ``__dict__`` whose class is defined in the
-    user's code, whose attributes a step may change (``tracker.count += 1``)."""
+    user's code, or an ``argparse.Namespace`` / ``SimpleNamespace`` (the standard library's holders of
+    the user's values), whose attributes a step may change (``tracker.count += 1``, ``args.last = x``)."""
+    if type(value) in (argparse.Namespace, types.SimpleNamespace):
+        return True
     return is_settings_object(value) and hasattr(value, "__dict__") and _is_user_class(type(value))
 
 
@@ -1023,12 +1030,15 @@ def _difference(old: Any, new: Any, attributes: bool = False) -> Optional[tuple[
 
 def _scalar_assignments(old: dict, new: dict) -> Optional[dict]:
     """The changed entries of an object's attributes (or a variable) when every one of them is now a
-    Python scalar (nothing deleted, no container or object assigned); None otherwise."""
+    Python scalar or a symbolic number of the trace (nothing deleted, no container or object
+    assigned); None otherwise."""
     changed = {k: new.get(k, _MISSING) for k in {**old, **new} if k not in old or k not in new or not _unchanged(old[k], new[k])}
-    return changed if all(v is not _MISSING and is_scalar(v) for v in changed.values()) else None
+    scalar = lambda v: is_scalar(v) or isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool))  # noqa: E731
+    return changed if all(v is not _MISSING and scalar(v) for v in changed.values()) else None
 
 
-def _assign(obj: Any, values: dict) -> None:
+def _assign(obj: Any, values: dict, resolve: Callable[[Any], Any] = lambda v: v) -> None:
+    values = {k: resolve(v) for k, v in values.items()}
     if isinstance(obj, _Variable):
         obj.restore({**obj.items(), **values})
     else:
@@ -1126,7 +1136,7 @@ class StateWatch:
                 assigned = None if isinstance(obj, _CONTAINERS) else _scalar_assignments(old, new)
                 replay = None if assigned is None else functools.partial(_assign, obj, assigned)
                 found.append(StateChange(label, what, any(_is_traced(v) for v in added), in_module, library,
-                                         lambda obj=obj, old=old: _restore(obj, old), replay))
+                                         lambda obj=obj, old=old: _restore(obj, old), replay, assigned))
         return found
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import inspect
 import math
@@ -309,7 +310,7 @@ class TracedStep:
     mode_writes: list[tuple[str, bool]] = field(default_factory=list)
     # Python scalars the step assigned to attributes and variables (StateChange.replay): assigned again
     # after every run of the graph, which runs only on the values it read when it was traced.
-    python_writes: list[Callable[[], None]] = field(default_factory=list)
+    python_writes: list[Callable[[Sequence[float]], None]] = field(default_factory=list)
 
     @functools.cached_property
     def mutated_batch_leaves(self) -> frozenset[int]:
@@ -1142,7 +1143,7 @@ def trace_step(
             if functional is None:  # a write through a view, or an op without a functional twin
                 functional = _functionalize_by_tracing(autograd_graph, fakes, sym_values)
         _refuse_host_reads(functional)
-        python_writes = _settle_state_changes(state.changes())
+        python_writes = _settle_state_changes(state.changes(), _SymbolicScalars(shape_env, symbols))
     except TraceError:
         _undo(state)
         randomness.restore()
@@ -1310,7 +1311,35 @@ def _undo(state: StateWatch) -> None:
         change.undo()
 
 
-def _settle_state_changes(changes: list[StateChange]) -> list[Callable[[], None]]:
+class _SymbolicScalars:
+    """Symbolic numbers of a trace as functions of the call's hyperparameter values: a number the step
+    computed from a float input and kept (``self.last_lam = lam``, ``self.lr = group["lr"]``) is the
+    value of its expression on each call. Sizes are fixed by the cache key: their traced values."""
+
+    _TYPES = {torch.SymFloat: float, torch.SymInt: int, torch.SymBool: bool}
+
+    def __init__(self, shape_env: ShapeEnv, symbols: list[sympy.Symbol]):
+        self.symbols = list(symbols)
+        self.sizes = {s: v for s, v in shape_env.backed_var_to_val.items() if s not in set(self.symbols)}
+
+    def covers(self, value: Any) -> bool:
+        """Whether ``value`` is a plain scalar, or a symbolic one of hyperparameters and sizes only."""
+        if type(value) not in self._TYPES:
+            return True
+        return value.node.expr.free_symbols <= set(self.symbols) | set(self.sizes)
+
+    def resolver(self, values: Sequence[float]) -> Callable[[Any], Any]:
+        """``resolve(value)``: a symbolic scalar's value for hyperparameter ``values``; others as they are."""
+        bound = {**self.sizes, **{s: sympy.Float(float(v)) for s, v in zip(self.symbols, values)}}
+
+        def resolve(value: Any) -> Any:
+            cast = self._TYPES.get(type(value))
+            return value if cast is None else cast(value.node.expr.xreplace(bound))
+
+        return resolve
+
+
+def _settle_state_changes(changes: list[StateChange], scalars: _SymbolicScalars) -> list[Callable[[Sequence[float]], None]]:
     """What to do with each change the traced step made to Python state that outlives it
     (:class:`~spmd_expand.python_values.StateChange`). The step's Python runs when it is traced, not
     on every call, and its tensors and sizes exist only while tracing, so:
@@ -1321,7 +1350,9 @@ def _settle_state_changes(changes: list[StateChange]) -> list[Callable[[], None]
       derives from its input): undone, with a warning (the module computes it again the next time);
     * Python scalars assigned to attributes or variables (``self.calls += 1``, ``self._la_step = 0``,
       ``global STEP; STEP += 1``): kept, and assigned again after every run of the graph
-      (:attr:`StateChange.replay`); returned;
+      (:attr:`StateChange.replay`); returned, as functions of the call's hyperparameter values: a
+      number computed from a float input (``self.last_lam = lam``) is assigned its value on that call
+      (``scalars``);
     * any other change (``STATS["n"] += 1``, ``history.append(1.0)``): kept, with a warning that it
       happens only when the step is traced.
 
@@ -1332,6 +1363,12 @@ def _settle_state_changes(changes: list[StateChange]) -> list[Callable[[], None]
     Raises:
         TraceError: a tensor or size of the trace outlives it outside the model.
     """
+    # Numbers of the hyperparameters only: replayed with each call's values, like Python scalars.
+    changes = [
+        dataclasses.replace(c, traced=False)
+        if c.traced and c.assigned is not None and all(scalars.covers(v) for v in c.assigned.values()) else c
+        for c in changes
+    ]
     escaped = [c for c in changes if c.traced and not c.in_module]
     if escaped:
         for c in changes:
@@ -1348,7 +1385,7 @@ def _settle_state_changes(changes: list[StateChange]) -> list[Callable[[], None]
     replays = []
     for c in changes:
         if c.replay is not None and not c.traced:
-            replays.append(c.replay)
+            replays.append(lambda values, replay=c.replay: replay(scalars.resolver(values)))
         elif c.traced:
             c.undo()
             if c.in_library_module:  # torch's or a package's module (an RNN's _flat_weights): its business

@@ -109,6 +109,26 @@ def test_a_loss_assigned_to_a_global_is_refused_and_undone(fake_mesh):
     assert LAST is None
 
 
+ARGS = argparse.Namespace(last_loss=None, rows=None)
+NAMESPACE = SimpleNamespace(last_loss=None)
+
+
+def _loss_into_namespaces(model, optimizer, x):
+    loss = _update(model(x).square().mean(), optimizer)
+    ARGS.last_loss, ARGS.rows = loss.detach(), x.shape[0]
+    NAMESPACE.last_loss = loss.detach()
+    return loss
+
+
+def test_a_loss_kept_in_a_global_namespace_is_refused_and_undone(fake_mesh):
+    """An ``argparse.Namespace`` or ``SimpleNamespace`` global kept the FakeTensor of the trace with no
+    word (their classes are the standard library's, and only user classes' objects were watched)."""
+    with pytest.raises(spmd.TraceError, match=r"global ARGS of test_side_effects \(last_loss: None -> a tensor") as info:
+        _call(fake_mesh, _loss_into_namespaces)
+    assert "global NAMESPACE of test_side_effects" in str(info.value)
+    assert ARGS.last_loss is None and ARGS.rows is None and NAMESPACE.last_loss is None
+
+
 def test_every_change_is_undone_when_one_is_refused(fake_mesh):
     """The counter was changed by the same refused trace: the call changes nothing."""
     TRACKER.history, TRACKER.count = [], 0
@@ -219,6 +239,40 @@ def test_a_python_value_the_step_assigns_is_assigned_again_when_a_graph_is_reuse
     assert phases == [1, 0, 1, 0, 1]
     assert moved == [True, False, True, False, True]
     assert sum(map(len, step.cache.values())) == 2
+
+
+class Logged:
+    """A user object a step keeps numbers in (a SimpleNamespace would do too, but has every attribute
+    guarded, as read: it takes no recording class, so each new value would compile again)."""
+
+    lam = lr = rows = None
+
+
+LOGGED = Logged()
+
+
+def _logging_step(model, optimizer, x, lam):
+    """Keeps numbers of its float inputs for logging: the mixup coefficient it was passed, the learning
+    rate (a graph input too), the global batch's row count (a size of the trace)."""
+    loss = model(x).square().mean() * lam
+    model.last_lam = lam
+    LOGGED.lam, LOGGED.lr, LOGGED.rows = 1 - lam, optimizer.param_groups[0]["lr"] / 2, x.shape[0]
+    return _update(loss, optimizer)
+
+
+def test_numbers_computed_from_float_inputs_are_assigned_each_calls_value(fake_mesh):
+    """A number the step keeps that it computed from a float input is a symbolic number while traced:
+    it was refused (a global) or undone (a module attribute). It is assigned again after each call
+    with that call's value, and the step compiles once."""
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = _compiled(fake_mesh, _logging_step)
+    for i, lam in enumerate([0.75, 0.5, 0.25]):
+        optimizer.param_groups[0]["lr"] = 0.1 * (i + 1)
+        step(model, optimizer, torch.randn(8, 8), lam)
+        assert model.last_lam == lam and type(model.last_lam) is float
+        assert (LOGGED.lam, LOGGED.lr, LOGGED.rows) == (1 - lam, 0.1 * (i + 1) / 2, 32)
+    assert sum(map(len, step.cache.values())) == 1
 
 
 class Reassigning(nn.Module):
