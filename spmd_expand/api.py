@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from . import optimizer_state
-from .errors import SpmdError, TraceError, first_line
+from .errors import PassError, PlacementError, SpmdError, TraceError, UnsupportedOpError, first_line
 from .expand import RedistributeCache
 from .guards import CallState, ObjectIds, Snapshot, batch_problems, cache_key, check_batch, initialize_optimizer_state, is_dense, snapshot
 from .lower import LOWERINGS
@@ -478,7 +478,9 @@ class CompiledStep:
                 artifacts = self._compile(
                     args, kwargs, model, optimizer, sel.roles, sel.specs, sel.placements, sel.locals_ + values, float_args
                 )
-            except SpmdError as e:
+            except (TraceError, UnsupportedOpError, PlacementError, PassError) as e:
+                # A stage failed on the graph (not the ranks' agreement or a collective, which tracing
+                # again with the values would only repeat).
                 if float_args:
                     raise _FloatInputsFailed(e, float_args) from e
                 raise

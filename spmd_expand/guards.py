@@ -43,7 +43,8 @@ refused (``BatchError``)                 local batches of different shapes on di
                                          non-tensor arguments that differ between ranks,
                                          replicated batch tensors (tensor-parallel ranks,
                                          0-d arguments) whose values differ between ranks
-                                         (on calls that compile or select a graph)
+                                         (on calls that compile or select a graph; 0-d
+                                         tensors and float arguments on every call)
 refused (``DivergenceError``)            hyperparameter values that differ between ranks
                                          (an LR scheduler stepped on rank 0 only); ranks
                                          about to run different compiled graphs (``eval()``
@@ -403,7 +404,8 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: Optional[ResolvedPlan], me
     any error, exchanging unrelated values. The same holds for the default generator of a step that
     draws random numbers (``call.generator``), and, on calls that compile or select a graph
     (``call.check_values``), for the values of batch tensors a mesh dim replicates
-    (:func:`replicated_values`). Costs one all-gather of 5 int64 per call over the mesh's ranks, and
+    (:func:`replicated_values`; a 0-d tensor argument's value on every call). Costs one all-gather of
+    5 int64 per call over the mesh's ranks, and
     one ``all_gather_object`` more where values are compared (skipped on torch's fake process group,
     which has one real process).
 
@@ -411,7 +413,8 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: Optional[ResolvedPlan], me
         BatchError: on every rank at once, naming each rank's shapes, arguments or problem, when ranks
             differ, a local batch is empty, a batch tensor lacks the batch dim, or tensors disagree on it,
             or a batch tensor is sparse or nested (:func:`not_dense_problem`; on one rank is enough).
-        BatchError: also when ranks that replicate a batch tensor pass different values.
+        BatchError: also when ranks that replicate a batch tensor pass different values (a 0-d tensor
+            argument: on every call).
         DivergenceError: on every rank at once, when the batches agree but the hyperparameter values
             (naming each differing setting and its values), the graphs (naming the model and
             optimizer settings that differ: :func:`state_summary`) or the generators differ.
@@ -428,12 +431,16 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: Optional[ResolvedPlan], me
         return
     group = mesh_group(mesh)
     values = tuple(call.values)  # repr of a float round-trips: equal reprs, equal values
+    # A 0-d tensor argument is one value of the program on every rank (a count, a mixup weight): compared
+    # on every call, not only on calls that compile or select a graph (replicated_values), since a later
+    # call may pass each rank's own value to a graph bound when they agreed.
+    scalars = tuple((i, t.item()) for i, t in enumerate(leaves) if is_dense(t) and t.dim() == 0)
     digest = torch.tensor(
         [
             zlib.crc32(repr(shapes).encode()),
             len(leaves),
             int(bool(problems)),
-            zlib.crc32(repr((constants, values, call.graph, call.generator, call.distributes, call.step)).encode()),
+            zlib.crc32(repr((constants, values, call.graph, call.generator, call.distributes, call.step, scalars)).encode()),
             int(call.check_values),
         ],
         dtype=torch.int64,
@@ -463,7 +470,7 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: Optional[ResolvedPlan], me
     reports: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(
         reports,
-        (shapes, problems, constants, values, call.graph, summary, call.generator, call.distributes, call.step),
+        (shapes, problems, constants, values, call.graph, summary, call.generator, call.distributes, call.step, scalars),
         group=group,
     )
     ranks = dist.get_process_group_ranks(group)
@@ -473,6 +480,8 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: Optional[ResolvedPlan], me
         raise _different_steps(ranks, [r[8] for r in reports])
     batches_agree = all(r[:2] == reports[0][:2] and not r[1] for r in reports)
     if batches_agree and all(r[2] == reports[0][2] for r in reports):
+        if any(repr(r[9]) != repr(reports[0][9]) for r in reports):
+            raise _different_scalars(leaves, mesh, ranks, [r[9] for r in reports])
         if any(repr(r[3]) != repr(reports[0][3]) for r in reports):
             raise _different_values(call.hyperparameters, ranks, [r[3] for r in reports])
         if any(r[4] != reports[0][4] for r in reports):
@@ -624,18 +633,38 @@ def _check_replicated_values(leaves: Sequence[torch.Tensor], plan: ResolvedPlan,
                 f"between {sides}"
             )
     if lines:
-        raise BatchError(
-            "ranks that hold the same replicated batch tensor pass different values:\n" + "\n".join(lines) + "\n"
-            "  a replicated tensor is one value of the program, the same on those ranks: tensor-parallel ranks "
-            "compute their parts of one step over the same batch (with different batches each rank's columns "
-            "come from other samples and the row-parallel all-reduce adds them up); a 0-d tensor argument is "
-            "one value on every rank\n"
-            "  fix: split the data over the data-parallel ranks only and give every rank of a tensor-parallel "
-            "group the same batch (DistributedSampler(dataset, num_replicas=mesh['dp'].size(), "
-            "rank=mesh['dp'].get_local_rank()) on a ('dp', 'tp') mesh, the same batch on every rank of a "
-            "tensor-parallel-only mesh); compute a rank-dependent scalar (a count of this rank's tokens) "
-            "inside the step, from the global batch"
-        )
+        raise _replicas_differ(lines)
+
+
+def _different_scalars(leaves: Sequence[torch.Tensor], mesh: DeviceMesh, ranks: Sequence[int], scalars: Sequence[tuple]) -> BatchError:
+    """The error for ranks that pass 0-d tensor arguments of different values (``scalars``: each
+    rank's ``(argument index, value)`` pairs)."""
+    lines = []
+    for k, (i, _) in enumerate(scalars[0]):
+        sides = replica_disagreement(ranks, [((), repr(s[k][1])) for s in scalars])
+        if sides is not None:
+            values = ", ".join(f"rank {rank} {s[k][1]!r}" for rank, s in zip(ranks, scalars))
+            lines.append(
+                f"  argument {i} () {str(leaves[i].dtype).replace('torch.', '')}, replicated over mesh dim(s) "
+                f"{[d for d in range(mesh.ndim) if mesh.size(d) > 1]}: values differ between {sides} ({values})"
+            )
+    return _replicas_differ(lines)
+
+
+def _replicas_differ(lines: list[str]) -> BatchError:
+    """The error for replicated batch tensors whose values differ between ranks (``lines``: one each)."""
+    return BatchError(
+        "ranks that hold the same replicated batch tensor pass different values:\n" + "\n".join(lines) + "\n"
+        "  a replicated tensor is one value of the program, the same on those ranks: tensor-parallel ranks "
+        "compute their parts of one step over the same batch (with different batches each rank's columns "
+        "come from other samples and the row-parallel all-reduce adds them up); a 0-d tensor argument is "
+        "one value on every rank\n"
+        "  fix: split the data over the data-parallel ranks only and give every rank of a tensor-parallel "
+        "group the same batch (DistributedSampler(dataset, num_replicas=mesh['dp'].size(), "
+        "rank=mesh['dp'].get_local_rank()) on a ('dp', 'tp') mesh, the same batch on every rank of a "
+        "tensor-parallel-only mesh); compute a rank-dependent scalar (a count of this rank's tokens) "
+        "inside the step, from the global batch"
+    )
 
 
 def _different_values(hyperparameters: Sequence[Any], ranks: Sequence[int], values: Sequence[tuple]) -> SpmdError:

@@ -1135,6 +1135,17 @@ def run_bad_batches(rank: int, world: int) -> dict:
             results[name] = "no error"
         except spmd.SpmdError as e:
             results[name] = f"{type(e).__name__}: {e}"
+    # The same on a later call, when the graph of the first (equal values) is bound: checked every call.
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(scaled_step)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step(model, optimizer, *x_y, torch.tensor(2.0))
+    step(model, optimizer, *x_y, torch.tensor(3.0))
+    try:
+        step(model, optimizer, *x_y, torch.tensor(float(rank + 1)))
+        results["ddp_different_scalars_later"] = "no error"
+    except spmd.SpmdError as e:
+        results["ddp_different_scalars_later"] = f"{type(e).__name__}: {e}"
     # State edited between calls on rank 0 only (`load_state_dict` or a weight edit under
     # `if rank == 0:`): no call can see it, the ranks train different models from then on.
     # spmd.check_replicas compares the values: it passes before the edit, names the tensor after it,

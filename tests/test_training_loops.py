@@ -211,6 +211,9 @@ def test_refused_batches():
         assert "argument 0 (4, 16) float32, replicated over mesh dim(s) [0]: values differ between rank 0 | rank 1" in tp
         assert "DistributedSampler(dataset, num_replicas=mesh['dp'].size()" in tp
         assert "argument 2 () float32, replicated over mesh dim(s) [0]" in scalar and "argument 0" not in scalar, scalar
+        later = res["ddp_different_scalars_later"]
+        assert later.startswith("BatchError: ranks that hold the same replicated batch tensor pass different values"), later
+        assert "argument 2 () float32, replicated over mesh dim(s) [0]: values differ between rank 0 | rank 1 (rank 0 1.0, rank 1 2.0)" in later, later
         assert torch.isfinite(res["after"])
     assert per_rank[0]["uneven_4_6"] == per_rank[1]["uneven_4_6"]  # every rank raises the same error
 
