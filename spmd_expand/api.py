@@ -166,6 +166,8 @@ class CompiledStep:
         # The step's float arguments are graph inputs (FloatArgument), unless a compilation with them as
         # inputs failed where one with their values did not: then they are constants of the graph.
         self._float_inputs = True
+        # The name of each leaf of the arguments (trace.argument_labels), per argument structure.
+        self._labels: dict[pytree.TreeSpec, list[str]] = {}
         functools.update_wrapper(self, fn)
 
     def reset(self) -> None:
@@ -317,13 +319,16 @@ class CompiledStep:
             return result
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
-        leaves, _ = pytree.tree_flatten((args, kwargs))
+        leaves, structure = pytree.tree_flatten((args, kwargs))
         model = unwrapped(_find(leaves, nn.Module, "modules", at_most_one=False))
         optimizer = _find(leaves, torch.optim.Optimizer, "optimizers", at_most_one=True)
         given = [x for x in leaves if isinstance(x, torch.Tensor)]
         batch_leaves = _in_traced_layout(given)
-        float_args = float_arguments(self.fn, args, kwargs) if self._float_inputs else []
-        constants = self._constants(args, kwargs, leaves, {fa.position for fa in float_args})
+        labels = self._labels.get(structure)
+        if labels is None:  # the names of the arguments' leaves: one signature read per structure
+            labels = self._labels[structure] = argument_labels(self.fn, args, kwargs)
+        float_args = float_arguments(leaves, labels) if self._float_inputs else []
+        constants = self._constants(leaves, labels, {fa.position for fa in float_args})
         bound = self._bound_call(model, optimizer, batch_leaves, constants, leaves)
         if bound is None:
             # Every full call: state loaded since the last call (e.g. by set_state_dict) may be plain tensors.
@@ -364,18 +369,15 @@ class CompiledStep:
                     given[i].copy_(batch_leaves[i])  # the step wrote the contiguous copy in place
         return result
 
-    def _constants(self, args: tuple, kwargs: dict, leaves: Sequence[Any], float_positions: set[int]) -> tuple:
+    @staticmethod
+    def _constants(leaves: Sequence[Any], labels: Sequence[str], float_positions: set[int]) -> tuple:
         """What the step's non-tensor arguments contribute to the cache key, ``name=value`` each
         (:func:`~spmd_expand.python_values.argument_key`); a float that is a graph input by its type."""
-        labels = None
-        out = []
-        for i, x in enumerate(leaves):
-            if isinstance(x, (torch.Tensor, nn.Module, torch.optim.Optimizer)):
-                continue
-            if labels is None:
-                labels = argument_labels(self.fn, args, kwargs)
-            out.append(f"{labels[i]}=" + ("<float input>" if i in float_positions else argument_key(x)))
-        return tuple(out)
+        return tuple(
+            f"{labels[i]}=" + ("<float input>" if i in float_positions else argument_key(x))
+            for i, x in enumerate(leaves)
+            if not isinstance(x, (torch.Tensor, nn.Module, torch.optim.Optimizer))
+        )
 
     def _bound_call(self, model, optimizer, batch_leaves, constants, leaves) -> Optional[tuple]:
         """(artifacts, local inputs, hyperparameter values) when this call matches the last full one

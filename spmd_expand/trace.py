@@ -207,13 +207,10 @@ def argument_labels(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[s
     return labels
 
 
-def float_arguments(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[FloatArgument]:
-    """The Python floats among ``fn``'s arguments, also inside lists, tuples and dicts (not bools,
-    ints or attributes of objects), in the order of ``pytree.tree_flatten((args, kwargs))``."""
-    leaves = pytree.tree_leaves((args, kwargs))
-    if not any(isinstance(leaf, float) for leaf in leaves):
-        return []
-    labels = argument_labels(fn, args, kwargs)
+def float_arguments(leaves: Sequence[Any], labels: Sequence[str]) -> list[FloatArgument]:
+    """The Python floats among ``leaves`` (of ``pytree.tree_flatten((args, kwargs))``: also inside
+    lists, tuples and dicts; not bools, ints or attributes of objects), named by ``labels``
+    (:func:`argument_labels`)."""
     return [FloatArgument(i, labels[i]) for i, leaf in enumerate(leaves) if isinstance(leaf, float)]
 
 
