@@ -92,11 +92,19 @@ _SCALAR_TYPES = (bool, int, float, complex, str, type(None), torch.dtype, torch.
 _MISSING = object()
 
 
+def _numpy_type(value: Any, name: str) -> bool:
+    """Whether ``value`` is an instance of numpy's ``name`` (``generic``: a numpy scalar; ``ndarray``),
+    without importing numpy where the program did not."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, getattr(numpy, name))
+
+
 def is_scalar(value: Any) -> bool:
     """Whether ``value`` is a Python value a trace bakes in and this module compares by value: a
-    scalar, or a tuple, list or dict (str keys) of them."""
+    scalar (a numpy scalar too: ``np.float32(0.5)``, ``np.exp(-k)``), or a tuple, list or dict (str
+    keys) of them."""
     kind = type(value)
-    if kind in _SCALAR_TYPES:
+    if kind in _SCALAR_TYPES or _numpy_type(value, "generic"):
         return True
     if kind is tuple or kind is list:
         return all(is_scalar(v) for v in value)
@@ -111,9 +119,10 @@ _FUNCTION_TYPES = (types.FunctionType, types.BuiltinFunctionType, functools.part
 
 
 def is_guarded(value: Any) -> bool:
-    """Whether a read of ``value`` is guarded: a scalar (:func:`is_scalar`, by value) or a function
-    (by identity). Not a bound method: one is made on every attribute read of a method."""
-    return is_scalar(value) or isinstance(value, _FUNCTION_TYPES)
+    """Whether a read of ``value`` is guarded: a scalar (:func:`is_scalar`, by value), a function or a
+    numpy array (by identity: the graph holds the array's memory, so writes into it reach the graph,
+    another array would not). Not a bound method: one is made on every attribute read of a method."""
+    return is_scalar(value) or isinstance(value, _FUNCTION_TYPES) or _numpy_type(value, "ndarray")
 
 
 def _frozen(value: Any) -> Any:
@@ -126,7 +135,7 @@ def _frozen(value: Any) -> Any:
 
 
 def _same(a: Any, b: Any) -> bool:
-    return a is b or (type(a) is type(b) and a == b)
+    return a is b or (type(a) is type(b) and not _numpy_type(a, "ndarray") and bool(a == b))
 
 
 @dataclass(frozen=True)
@@ -1006,7 +1015,7 @@ def _snapshot(obj: Any) -> Any:
 
 def _unchanged(a: Any, b: Any) -> bool:
     """The same object, or equal Python scalars (never ``==`` on tensors or user objects)."""
-    return a is b or (type(a) is type(b) and type(a) in _SCALAR_TYPES and a == b)
+    return a is b or (type(a) is type(b) and (type(a) in _SCALAR_TYPES or _numpy_type(a, "generic")) and bool(a == b))
 
 
 def _difference(old: Any, new: Any, attributes: bool = False) -> Optional[tuple[str, list]]:

@@ -17,6 +17,7 @@ import types
 import warnings
 
 import pytest
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -616,3 +617,52 @@ def test_an_infinite_float_argument_gets_a_graph_of_its_own(fake_mesh):
     with pytest.warns(UserWarning, match=r"argument max_norm == 0.01"):  # the last graph's
         step(model, optimizer, x, float("nan"))
     assert sum(len(v) for v in step.cache.values()) == 3
+
+
+# ------------------------------------------------------------------ numpy values the trace read
+
+SCALE_NP = np.float64(1.0)
+WEIGHTS_NP = np.ones(4, dtype=np.float32)
+
+
+def _numpy_step(model, optimizer, x):
+    return _step(model, optimizer, x * SCALE_NP * torch.as_tensor(WEIGHTS_NP).sum())
+
+
+class NumpyMixing(Net):
+    """mixup written with numpy: the loop sets ``model.lam = np.random.beta(a, a)`` before a call."""
+
+    lam = np.float64(0.5)
+
+    def forward(self, x):
+        return super().forward(self.lam * x + (1 - self.lam) * x.flip(0))
+
+
+def test_numpy_values_the_trace_read_are_guarded(fake_mesh):
+    """A numpy scalar (``np.float64``, ``np.float32``: not Python floats to an exact type check) and a
+    numpy array (held by the graph as a constant) were baked in with no guard: a global scale set to
+    0.0 or an array rebound kept the first trace's (2-layer MLP on one gloo rank: 0.046 then 0.073
+    away from one device's parameters, no warning). Scalars are compared by value, arrays by identity
+    (a write into the same array reaches the graph, which holds its memory)."""
+    global SCALE_NP, WEIGHTS_NP
+    model, optimizer, step, x = _compiled(fake_mesh, _numpy_step)
+    try:
+        step(model, optimizer, x)
+        first = step.last
+        WEIGHTS_NP[0] = 3.0  # in place: the same array, the same graph
+        step(model, optimizer, x)
+        assert step.last is first
+        SCALE_NP = np.float64(0.0)
+        with pytest.warns(UserWarning, match=r"global SCALE_NP of test_guards == np.float64\(1.0\) \(now np.float64\(0.0\)\)"):
+            step(model, optimizer, x)
+        WEIGHTS_NP = np.ones(4, dtype=np.float32)
+        with pytest.warns(UserWarning, match=r"global WEIGHTS_NP of test_guards == array"):
+            step(model, optimizer, x)
+        assert sum(len(v) for v in step.cache.values()) == 3
+    finally:
+        SCALE_NP, WEIGHTS_NP = np.float64(1.0), np.ones(4, dtype=np.float32)
+    model, optimizer, step, x = _compiled(fake_mesh, _step, NumpyMixing)
+    step(model, optimizer, x)
+    model.lam = np.float32(0.25)
+    with pytest.warns(UserWarning, match=r"attribute lam of the model == np.float64\(0.5\) \(now np.float32\(0.25\)\)"):
+        step(model, optimizer, x)
