@@ -50,6 +50,7 @@ import argparse
 import collections
 import contextlib
 import dis
+import enum
 import functools
 import itertools
 import operator
@@ -101,12 +102,12 @@ def _numpy_type(value: Any, name: str) -> bool:
 
 def is_scalar(value: Any) -> bool:
     """Whether ``value`` is a Python value a trace bakes in and this module compares by value: a
-    scalar (a numpy scalar too: ``np.float32(0.5)``, ``np.exp(-k)``), or a tuple, list or dict (str
-    keys) of them."""
+    scalar (a numpy scalar too: ``np.float32(0.5)``, ``np.exp(-k)``; an ``Enum`` member), or a tuple,
+    list, set, frozenset or dict (str keys) of them."""
     kind = type(value)
-    if kind in _SCALAR_TYPES or _numpy_type(value, "generic"):
+    if kind in _SCALAR_TYPES or _numpy_type(value, "generic") or isinstance(value, enum.Enum):
         return True
-    if kind is tuple or kind is list:
+    if kind is tuple or kind is list or kind is set or kind is frozenset:
         return all(is_scalar(v) for v in value)
     if kind is dict:
         return all(type(k) is str and is_scalar(v) for k, v in value.items())
@@ -129,6 +130,8 @@ def _frozen(value: Any) -> Any:
     """A copy of a value :func:`is_scalar` accepts that later in-place changes of it cannot reach."""
     if type(value) is list:
         return [_frozen(v) for v in value]
+    if type(value) is set:
+        return set(value)
     if type(value) is dict:
         return {k: _frozen(v) for k, v in value.items()}
     return value

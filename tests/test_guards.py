@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import enum
 import math
 import types
 import warnings
@@ -666,3 +667,54 @@ def test_numpy_values_the_trace_read_are_guarded(fake_mesh):
     model.lam = np.float32(0.25)
     with pytest.warns(UserWarning, match=r"attribute lam of the model == np.float64\(0.5\) \(now np.float32\(0.25\)\)"):
         step(model, optimizer, x)
+
+
+class Phase(enum.Enum):
+    PRETRAIN = 1
+    FINETUNE = 2
+
+
+PHASE = Phase.PRETRAIN
+
+
+class Skipping(Net):
+    """Settings a forward reads that are not numbers: a set of layers to skip (changed in place) and
+    a frozenset of them."""
+
+    def __init__(self):
+        super().__init__()
+        self.skip, self.frozen = set(), frozenset()
+
+    def forward(self, x):
+        h = self.act(self.fc1(x))
+        if "act" in self.skip:
+            h = self.fc1(x)
+        return self.fc2(h) * (0.5 if "fc2" in self.frozen else 1.0)
+
+
+def _phase_step(model, optimizer, x):
+    return _step(model, optimizer, x * 2 if PHASE == Phase.FINETUNE else x)
+
+
+def test_enum_members_and_sets_the_trace_read_are_guarded(fake_mesh):
+    """An Enum member compared with ``==``, a set changed in place and a frozenset replaced were baked
+    in with no guard (one gloo rank: 0.046, 0.021 and 0.030 away from one device's parameters after
+    the change, no warning)."""
+    global PHASE
+    model, optimizer, step, x = _compiled(fake_mesh, _phase_step)
+    try:
+        step(model, optimizer, x)
+        PHASE = Phase.FINETUNE
+        with pytest.warns(UserWarning, match=r"global PHASE of test_guards == <Phase.PRETRAIN: 1> \(now <Phase.FINETUNE: 2>\)"):
+            step(model, optimizer, x)
+    finally:
+        PHASE = Phase.PRETRAIN
+    model, optimizer, step, x = _compiled(fake_mesh, _step, Skipping)
+    step(model, optimizer, x)
+    model.skip.add("act")
+    with pytest.warns(UserWarning, match=r"attribute skip of the model == set\(\) \(now \{'act'\}\)"):
+        step(model, optimizer, x)
+    model.frozen = frozenset({"fc2"})
+    with pytest.warns(UserWarning, match=r"attribute frozen of the model == frozenset\(\)"):
+        step(model, optimizer, x)
+    assert sum(len(v) for v in step.cache.values()) == 3
