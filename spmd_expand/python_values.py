@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import copy
 import dis
 import enum
 import functools
@@ -102,15 +103,16 @@ def _numpy_type(value: Any, name: str) -> bool:
 
 def is_scalar(value: Any) -> bool:
     """Whether ``value`` is a Python value a trace bakes in and this module compares by value: a
-    scalar (a numpy scalar too: ``np.float32(0.5)``, ``np.exp(-k)``; an ``Enum`` member), or a tuple,
-    list, set, frozenset or dict (str keys) of them."""
+    scalar (a numpy scalar too: ``np.float32(0.5)``, ``np.exp(-k)``; an ``Enum`` member, a ``range``),
+    or a tuple, list, set, frozenset or dict of them (also subclasses: a named tuple, an
+    ``OrderedDict``, a ``defaultdict``; dict keys of any of these kinds: ``{0: 1.0}``)."""
     kind = type(value)
-    if kind in _SCALAR_TYPES or _numpy_type(value, "generic") or isinstance(value, enum.Enum):
+    if kind in _SCALAR_TYPES or kind is range or _numpy_type(value, "generic") or isinstance(value, enum.Enum):
         return True
-    if kind is tuple or kind is list or kind is set or kind is frozenset:
+    if isinstance(value, (tuple, list, set, frozenset)):
         return all(is_scalar(v) for v in value)
-    if kind is dict:
-        return all(type(k) is str and is_scalar(v) for k, v in value.items())
+    if isinstance(value, dict):
+        return all(is_scalar(k) and is_scalar(v) for k, v in value.items())
     return False
 
 
@@ -130,10 +132,16 @@ def _frozen(value: Any) -> Any:
     """A copy of a value :func:`is_scalar` accepts that later in-place changes of it cannot reach."""
     if type(value) is list:
         return [_frozen(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_frozen(v) for v in value)
     if type(value) is set:
         return set(value)
-    if type(value) is dict:
-        return {k: _frozen(v) for k, v in value.items()}
+    if isinstance(value, dict):  # of its own type: an OrderedDict or a defaultdict compares as one
+        copied = copy.copy(value)
+        copied.update((k, _frozen(v)) for k, v in value.items())
+        return copied
+    if isinstance(value, list):
+        return copy.copy(value)
     return value
 
 

@@ -10,6 +10,7 @@ step compiles again), and that what is a graph input (learning rate, betas, valu
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import dataclasses
 import enum
@@ -684,11 +685,15 @@ class Skipping(Net):
     def __init__(self):
         super().__init__()
         self.skip, self.frozen = set(), frozenset()
+        self.layer_scale = collections.OrderedDict({0: 1.0})  # int keys, a dict subclass
+        self.blocks = range(1)
 
     def forward(self, x):
         h = self.act(self.fc1(x))
         if "act" in self.skip:
             h = self.fc1(x)
+        for i in self.blocks:
+            h = h * self.layer_scale[i]
         return self.fc2(h) * (0.5 if "fc2" in self.frozen else 1.0)
 
 
@@ -697,9 +702,10 @@ def _phase_step(model, optimizer, x):
 
 
 def test_enum_members_and_sets_the_trace_read_are_guarded(fake_mesh):
-    """An Enum member compared with ``==``, a set changed in place and a frozenset replaced were baked
-    in with no guard (one gloo rank: 0.046, 0.021 and 0.030 away from one device's parameters after
-    the change, no warning)."""
+    """An Enum member compared with ``==``, a set changed in place, a frozenset replaced, a dict with
+    int keys (an OrderedDict) changed in place and a range replaced were baked in with no guard (one
+    gloo rank: 0.046, 0.021, 0.030, 0.195 and 0.050 away from one device's parameters after the
+    change, no warning)."""
     global PHASE
     model, optimizer, step, x = _compiled(fake_mesh, _phase_step)
     try:
@@ -717,4 +723,10 @@ def test_enum_members_and_sets_the_trace_read_are_guarded(fake_mesh):
     model.frozen = frozenset({"fc2"})
     with pytest.warns(UserWarning, match=r"attribute frozen of the model == frozenset\(\)"):
         step(model, optimizer, x)
-    assert sum(len(v) for v in step.cache.values()) == 3
+    model.layer_scale[0] = 0.5
+    with pytest.warns(UserWarning, match=r"attribute layer_scale of the model == OrderedDict\(\[\(0, 1.0\)\]\)"):
+        step(model, optimizer, x)
+    model.blocks = range(0)
+    with pytest.warns(UserWarning, match=r"attribute blocks of the model == range\(0, 1\)"):
+        step(model, optimizer, x)
+    assert sum(len(v) for v in step.cache.values()) == 5
