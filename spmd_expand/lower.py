@@ -156,7 +156,7 @@ def _cacheable(example_inputs: Sequence[Any]):
 class InductorStep:
     """``gm`` compiled by Inductor (``compile_fx``), called like ``gm``.
 
-    Float inputs (the optimizer's hyperparameters) must stay inputs, and Inductor would compile them
+    Float inputs (the optimizer's hyperparameters, the step's float arguments) must stay inputs, and Inductor would compile them
     in as constants (:mod:`spmd_expand.tensorify`). They are passed as 0-d float64 tensors where
     :func:`~spmd_expand.tensorify.tensorify_float_inputs` could rewrite their uses; otherwise they stay
     constants, and a call with other values compiles ``gm`` again for them (with a warning; the last
@@ -186,7 +186,9 @@ class InductorStep:
         from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import compile_fx
 
-        inputs = self._inputs(args)
+        # Examples only (Inductor fakifies them). A call's are the DTensors' local tensors, views that
+        # the step updated in place, whose autograd metadata the fakification cannot read: detached.
+        inputs = [x.detach() if isinstance(x, torch.Tensor) else x for x in self._inputs(args)]
         with inductor_config.patch(self._patches) if self._patches else contextlib.nullcontext(), _cacheable(inputs), \
                 _without_torch_tensorify():
             compiled = compile_fx(copy_graph_module(self._gm), inputs)
@@ -201,7 +203,7 @@ class InductorStep:
         if compiled is None:
             warnings.warn(
                 f"spmd.compile: the Inductor-compiled step holds float inputs {self.constants} (optimizer "
-                f"hyperparameters) as constants, and they changed to {list(key)}: compiling the step again "
+                f"hyperparameters or float arguments of the step) as constants, and they changed to {list(key)}: compiling the step again "
                 f"for these values (spmd_expand.tensorify cannot pass them as tensors through "
                 f"{self.refused.format_node()[:200]}). lower=\"eager\" takes them as inputs",
                 stacklevel=2,

@@ -54,6 +54,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 from torch._dynamo.source import ConstantSource
 from torch.nn.utils import stateless
 from torch.overrides import TorchFunctionMode
+from torch.utils._sympy.printers import PythonPrinter
 from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from . import ops, optimizer_state
@@ -272,8 +273,12 @@ class HyperParameterGuards:
             return None
         if self._compiled is None:
             # Once per compilation: the conditions as Python code over floats (sympy evaluation per
-            # call cost ~1 ms for a few conditions; this costs microseconds).
-            self._compiled = sympy.lambdify(self.symbols, list(self.conditions), modules="math")
+            # call cost ~1 ms for a few conditions; this costs microseconds), printed as Dynamo prints
+            # its guards: torch's own sympy functions (FloatTrueDiv, TruncToInt, PythonMod, ...) as
+            # Python operators and math calls, which sympy.lambdify does not know.
+            printer = PythonPrinter()
+            body = ", ".join(f"({printer.doprint(c)})" for c in self.conditions)
+            self._compiled = eval(f"lambda {', '.join(map(str, self.symbols))}: [{body}]", {"math": math})  # noqa: S307
         for holds, source in zip(self._compiled(*map(float, values)), self.sources):
             if not bool(holds):
                 return source

@@ -730,3 +730,46 @@ def test_enum_members_and_sets_the_trace_read_are_guarded(fake_mesh):
     with pytest.warns(UserWarning, match=r"attribute blocks of the model == range\(0, 1\)"):
         step(model, optimizer, x)
     assert sum(len(v) for v in step.cache.values()) == 5
+
+
+def _leaky_step(model, optimizer, x, slope):
+    return _step(model, optimizer, torch.nn.functional.leaky_relu(x, slope))
+
+
+def test_a_float_argument_inductor_takes_as_a_constant_compiles_per_value(fake_mesh):
+    """``leaky_relu``'s slope is a float Inductor's kernels take as a number (tensorify cannot pass a
+    tensor): a new value compiles the graph again for it, at the call, with a warning. That compilation
+    read the autograd metadata of the step's in-place-updated local tensors and failed."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="inductor")(_leaky_step)
+    x = torch.randn(2, 8)
+    step(model, optimizer, x, 0.1)
+    step(model, optimizer, x, 0.1)
+    with pytest.warns(UserWarning, match=r"holds float inputs .* as constants, and they changed to \[.*0.2\]"):
+        step(model, optimizer, x, 0.2)
+    assert sum(len(v) for v in step.cache.values()) == 1
+
+
+def _smoothed_step(model, optimizer, x, lam):
+    loss = torch.nn.functional.cross_entropy(model(x), torch.zeros(x.shape[0], dtype=torch.long), label_smoothing=lam / 2)
+    return _update(loss, optimizer)
+
+
+def _update(loss, optimizer):
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_guards_with_torchs_sympy_functions_are_checked(fake_mesh):
+    """``label_smoothing=lam / 2`` specializes ``FloatTrueDiv(lam, 2)``: the guard, evaluated by
+    ``sympy.lambdify``, raised NameError on the next call; it is printed as Dynamo prints guards."""
+    model, optimizer, step, x = _compiled(fake_mesh, _smoothed_step)
+    step(model, optimizer, x, 0.5)
+    step(model, optimizer, x, 0.5)
+    with pytest.warns(UserWarning, match=r"assumed Eq\(FloatTrueDiv\(argument lam, 2.0\), 0.25\)"):
+        step(model, optimizer, x, 0.3)
+    assert sum(len(v) for v in step.cache.values()) == 2
