@@ -1172,7 +1172,7 @@ def trace_step(
         else:
             library = _library_frame(e)
             where = f"the train step at {_user_frame(e)}{library}"
-            hint = _trace_failure_hint(kind, str(e), data_dependent, library)
+            hint = _trace_failure_hint(kind, str(e), data_dependent, library, _user_frame(e))
         raise TraceError(f"could not trace {where}: {kind}: {str(e).splitlines()[0] if str(e) else ''}\n  fix: {hint}") from e
 
     _warn_changed_python_states(state_writes, python_states_before)
@@ -1458,9 +1458,18 @@ def _user_frame(e: BaseException) -> str:
     return f'File "{f.filename}", line {f.lineno}, in {f.name}: {(f.line or "").strip()}'
 
 
-def _trace_failure_hint(kind: str, message: str, data_dependent: bool, library: str) -> str:
+def _trace_failure_hint(kind: str, message: str, data_dependent: bool, library: str, source: str = "") -> str:
     """The fix for a step that failed to trace outside the optimizer: ``kind`` and ``message`` are the
-    exception's, ``library`` is :func:`_library_frame`'s text (where in torch it failed, or "")."""
+    exception's, ``library`` is :func:`_library_frame`'s text (where in torch it failed, or ""),
+    ``source`` the user's line (:func:`_user_frame`)."""
+    if "generator=" in source and "SymIntArrayRef expected to contain only concrete integers" in message:
+        # A draw from a torch.Generator of the user's, sized by the batch (symbolic while traced).
+        return (
+            "the line draws from a torch.Generator of your own (generator=...), which a compiled step cannot "
+            "advance: the graph would keep a private copy of its state and draw the same numbers on every "
+            "call; draw from the default generator (leave out generator=) and seed it alike on every rank "
+            "with torch.manual_seed"
+        )
     if data_dependent and "grad_scaler.py" in library:
         return (
             "torch.amp.GradScaler.step() skips optimizer.step() when a gradient is inf/NaN, a branch on "

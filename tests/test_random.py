@@ -178,6 +178,11 @@ class _GeneratorNoise(torch.nn.Module):
         return self.fc(x + torch.rand(16, generator=self.generator))
 
 
+class _BatchSizedGeneratorNoise(_GeneratorNoise):
+    def forward(self, x):
+        return self.fc(x + torch.rand(x.shape, generator=self.generator))  # sized by the batch: symbolic
+
+
 def test_explicit_generator_is_an_error(fake_mesh):
     """The traced graph would hold a private copy of the generator: refused, with the fix."""
     world = fake_mesh.size()
@@ -188,3 +193,15 @@ def test_explicit_generator_is_an_error(fake_mesh):
     assert "explicit torch.Generator" in message and "aten.rand.generator" in message
     assert "torch.rand(16, generator=self.generator)" in message  # the user's source line
     assert "torch.manual_seed" in message
+
+
+def test_an_explicit_generator_drawing_a_batch_sized_tensor_is_an_error_with_the_fix(fake_mesh):
+    """Sized by the batch, the draw fails inside torch before it reaches the op check above (torch's
+    generator kernels take concrete sizes only); the error names the line and the same fix."""
+    world = fake_mesh.size()
+    x, y = cases._xy(torch.Generator().manual_seed(0))
+    with pytest.raises(spmd.TraceError) as info:
+        _compiled(fake_mesh, spmd.DDP(), _BatchSizedGeneratorNoise(), cases.cross_entropy_step, (shard(x, 0, world), shard(y, 0, world)))
+    message = str(info.value)
+    assert "torch.rand(x.shape, generator=self.generator)" in message
+    assert "a torch.Generator of your own" in message and "torch.manual_seed" in message
