@@ -91,7 +91,15 @@ __all__ = [
 ]
 
 _SCALAR_TYPES = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
-_MISSING = object()
+class _Missing:
+    """What a read of an attribute or variable that does not exist gives (``getattr(self, "scale",
+    1.0)`` while ``scale`` is unset): a value like any other, so that setting it later is a change."""
+
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING = _Missing()
 
 
 def _numpy_type(value: Any, name: str) -> bool:
@@ -268,11 +276,26 @@ def _recording_class(cls: type) -> Optional[type]:
                     _recorders[-1].setdefault((id(self), name), (self, name, _frozen(value)))
             return value
 
+        fallback = getattr(cls, "__getattr__", None)  # nn.Module's: parameters, buffers, submodules
+
+        def __getattr__(self, name: str, _fallback=fallback) -> Any:
+            # Python calls this when __getattribute__ found nothing: an attribute that does not exist
+            # unless the class's own __getattr__ finds it. A read of one (getattr(self, "scale", 1.0),
+            # hasattr(self, "boost")) is recorded as missing, so setting it later compiles again.
+            try:
+                if _fallback is None:
+                    raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+                return _fallback(self, name)
+            except AttributeError:
+                if _recorders and not name.startswith("__") and name not in _MODULE_OWN:
+                    _recorders[-1].setdefault((id(self), name), (self, name, _MISSING))
+                raise
+
         try:
             # __slots__ = (): the same layout, so objects of a class with slots can take it too.
-            sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__,
-                                              "__qualname__": cls.__qualname__, "_spmd_recording_of": cls,
-                                              "__slots__": ()})
+            sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__getattr__": __getattr__,
+                                              "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                              "_spmd_recording_of": cls, "__slots__": ()})
         except Exception:  # noqa: BLE001 - a class that cannot be subclassed keeps its reads unrecorded
             return None
         _recording_classes[cls] = sub

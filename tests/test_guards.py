@@ -773,3 +773,44 @@ def test_guards_with_torchs_sympy_functions_are_checked(fake_mesh):
     with pytest.warns(UserWarning, match=r"assumed Eq\(FloatTrueDiv\(argument lam, 2.0\), 0.25\)"):
         step(model, optimizer, x, 0.3)
     assert sum(len(v) for v in step.cache.values()) == 2
+
+
+class OptionalScale(Net):
+    """Reads settings that may not exist yet: ``getattr(self, "gain", 1.0)``, ``hasattr(self, "boost")``."""
+
+    def forward(self, x):
+        out = super().forward(x) * getattr(self, "gain", 1.0)
+        return out * 2 if hasattr(self, "boost") else out
+
+
+class _Settings:
+    pass
+
+
+SETTINGS_OBJECT = _Settings()
+
+
+def _optional_global_step(model, optimizer, x):
+    return _step(model, optimizer, x * getattr(SETTINGS_OBJECT, "scale", 1.0))
+
+
+def test_an_attribute_read_while_missing_is_guarded(fake_mesh):
+    """An attribute that did not exist when the step was traced (its default taken) and was set later
+    was never compared: the graph of the default ran on (one gloo rank: 0.084 then 0.18 away from one
+    device's parameters, no warning). A read that finds nothing is recorded as missing."""
+    model, optimizer, step, x = _compiled(fake_mesh, _step, OptionalScale)
+    step(model, optimizer, x)
+    model.gain = 3.0
+    with pytest.warns(UserWarning, match=r"attribute gain of the model == <missing> \(now 3.0\)"):
+        step(model, optimizer, x)
+    model.boost = True
+    with pytest.warns(UserWarning, match=r"attribute boost of the model == <missing> \(now True\)"):
+        step(model, optimizer, x)
+    model, optimizer, step, x = _compiled(fake_mesh, _optional_global_step)
+    step(model, optimizer, x)
+    SETTINGS_OBJECT.scale = 0.5
+    try:
+        with pytest.warns(UserWarning, match=r"attribute scale of global SETTINGS_OBJECT of test_guards == <missing>"):
+            step(model, optimizer, x)
+    finally:
+        del SETTINGS_OBJECT.scale
