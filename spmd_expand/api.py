@@ -452,7 +452,8 @@ class CompiledStep:
             if sel.compiled:
                 last = sel.compiled[-1].traced
                 failed = last.guards.check(values)
-                if failed is not None and "argument " in failed:
+                arguments = [str(hp) for hp in last.hyperparameters if isinstance(hp, FloatArgument)]
+                if failed is not None and any(name in failed for name in arguments):
                     why = (
                         f"the traced code assumed {failed}. A float argument that the step branches on or reads as "
                         f"a number (`torch.tensor(lam)`, `math.exp(lam)`, an op's float setting such as "
