@@ -1116,7 +1116,14 @@ def trace_step(
     owners += [type(holder) for _, holder in optimizer_state.holders(optimizer)] if optimizer is not None else []
     user_functions += called_methods(user_functions, owners)
     optimizers = user_optimizers(optimizer)
-    settings_objects = settings_variables(user_functions) + [(label, o, lambda o=o: o) for label, o in optimizers]
+    # torch's optimizers too, for their reads only: an attribute the user set on one and the step reads
+    # (`loss * optimizer.loss_scale`) is baked in like a module's.
+    read_only = [
+        (f"the {type(holder).__qualname__} optimizer", holder)
+        for _, holder in (optimizer_state.holders(optimizer) if optimizer is not None else [])
+        if all(holder is not o for _, o in optimizers)
+    ]
+    settings_objects = settings_variables(user_functions) + [(label, o, lambda o=o: o) for label, o in optimizers + read_only]
     state = StateWatch(user_functions, model, objects=hook_objects, labelled=optimizers)
     randomness = RandomStateUse()
     try:

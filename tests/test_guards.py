@@ -814,3 +814,22 @@ def test_an_attribute_read_while_missing_is_guarded(fake_mesh):
             step(model, optimizer, x)
     finally:
         del SETTINGS_OBJECT.scale
+
+
+def _optimizer_scaled_step(model, optimizer, x):
+    return _step(model, optimizer, x * optimizer.loss_scale)
+
+
+def test_an_attribute_set_on_a_torch_optimizer_is_guarded(fake_mesh):
+    """``optimizer.loss_scale``, set by the user on a torch optimizer and read by the step, was baked
+    in with no guard (one gloo rank: 0.046 then 0.073 away from one device's parameters after a change
+    from 1.0 to 0.0); torch's optimizers were not recorded, only optimizers of the user's classes."""
+    model, optimizer, step, x = _compiled(fake_mesh, _optimizer_scaled_step)
+    optimizer.loss_scale = 1.0
+    step(model, optimizer, x)
+    optimizer.param_groups[0]["lr"] = 0.5  # a graph input: no compilation
+    step(model, optimizer, x)
+    optimizer.loss_scale = 0.0
+    with pytest.warns(UserWarning, match=r"attribute loss_scale of the AdamW optimizer == 1.0 \(now 0.0\)"):
+        step(model, optimizer, x)
+    assert sum(len(v) for v in step.cache.values()) == 2
