@@ -449,6 +449,8 @@ def record_reads(model: nn.Module, held: Sequence[tuple[str, Any, Callable[[], A
                 _, module, fqn, attr = where
                 result.module_reads.append(ModuleRead(module, fqn, name, value, via=attr, held=obj))
             else:
+                if name.startswith("_") and isinstance(obj, torch.optim.Optimizer) and not _is_user_class(type(obj)):
+                    continue  # torch's own bookkeeping (_need_device_dtype_check_for_fused), not a setting
                 _, description, reader = where
                 result.values.append(PythonValue(f"attribute {name} of {description}", _attribute_reader(reader, name), value))
 
