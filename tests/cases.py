@@ -56,6 +56,14 @@ def microbatch_step(model, optimizer, x, y):
     return total
 
 
+def update(loss, optimizer):
+    """The end of a train step: backward, optimizer step, zero_grad; returns ``loss``."""
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
 def mse_step(model, optimizer, x, y=None):
     loss = model(x).pow(2).mean()
     loss.backward()

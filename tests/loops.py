@@ -318,6 +318,15 @@ def _batch(i: int, rows: int = BATCH):
     return torch.randn(rows, 16, generator=g), torch.randint(0, 4, (rows,), generator=g)
 
 
+def _refusal(call: Callable[[], object]) -> str:
+    """What ``call()`` raised, as ``"<SpmdError subclass>: <message>"``, or ``"no error"``."""
+    try:
+        call()
+    except spmd.SpmdError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def run_loop(
     mesh,
     plan,
@@ -1017,28 +1026,16 @@ def run_bad_batches(rank: int, world: int) -> dict:
         model = TwoLayer()
         step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(classification_step)
         x, y = _batch(0, rows[rank])
-        try:
-            step(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
-            results[name] = "no error"
-        except spmd.SpmdError as e:
-            results[name] = f"{type(e).__name__}: {e}"
+        results[name] = _refusal(lambda: step(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y))
     torch.manual_seed(0)
     model = TwoLayer()
     step = spmd.compile(mesh=mesh, plan=spmd.DDP(batch_dim=2), lower="eager")(classification_step)
     x, y = _batch(0, 4)
-    try:
-        step(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
-        results["missing_batch_dim"] = "no error"
-    except spmd.SpmdError as e:
-        results["missing_batch_dim"] = f"{type(e).__name__}: {e}"
+    results["missing_batch_dim"] = _refusal(lambda: step(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y))
     # A sparse batch tensor (a GCN's adjacency) on one rank only: refused on every rank, no hang.
     step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(classification_step)
     x, y = _batch(0, 4)
-    try:
-        step(model, torch.optim.SGD(model.parameters(), lr=0.1), x.to_sparse() if rank == 0 else x, y)
-        results["sparse_on_rank_0"] = "no error"
-    except spmd.SpmdError as e:
-        results["sparse_on_rank_0"] = f"{type(e).__name__}: {e}"
+    results["sparse_on_rank_0"] = _refusal(lambda: step(model, torch.optim.SGD(model.parameters(), lr=0.1), x.to_sparse() if rank == 0 else x, y))
     # A Python argument is a constant of the one program: ranks passing different values are refused,
     # also when each value's graph is already compiled (no trace, so no graph comparison, would see it).
     step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(scaled_step)
@@ -1046,18 +1043,10 @@ def run_bad_batches(rank: int, world: int) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     step(model, optimizer, *x_y, 1)
     step(model, optimizer, *x_y, 2)
-    try:
-        step(model, optimizer, *x_y, [1, 2][rank])
-        results["different_constants"] = "no error"
-    except spmd.SpmdError as e:
-        results["different_constants"] = f"{type(e).__name__}: {e}"
+    results["different_constants"] = _refusal(lambda: step(model, optimizer, *x_y, [1, 2][rank]))
     # A float argument is a graph input (one graph for every value), compared across ranks the same way.
     step(model, optimizer, *x_y, 1.0)
-    try:
-        step(model, optimizer, *x_y, [1.0, 2.0][rank])
-        results["different_float_arguments"] = "no error"
-    except spmd.SpmdError as e:
-        results["different_float_arguments"] = f"{type(e).__name__}: {e}"
+    results["different_float_arguments"] = _refusal(lambda: step(model, optimizer, *x_y, [1.0, 2.0][rank]))
     # An argument whose repr names its address (different in each process) is the same value.
     step(model, optimizer, *x_y, 1.0, _Options())
     # An LR scheduler stepped on rank 0 only (`if rank == 0:` around logging and scheduling, or
@@ -1073,11 +1062,7 @@ def run_bad_batches(rank: int, world: int) -> dict:
     if rank == 0:
         scheduler.step()
     before = [p.full_tensor().clone() for p in model.parameters()]
-    try:
-        step(model, optimizer, *x_y)
-        results["different_lr"] = "no error"
-    except spmd.SpmdError as e:
-        results["different_lr"] = f"{type(e).__name__}: {e}"
+    results["different_lr"] = _refusal(lambda: step(model, optimizer, *x_y))
     results["different_lr_untouched"] = all(torch.equal(b, p.full_tensor()) for b, p in zip(before, model.parameters()))
     if rank == 1:
         scheduler.step()  # the fix: every rank steps it
@@ -1092,11 +1077,7 @@ def run_bad_batches(rank: int, world: int) -> dict:
     step(model, optimizer, *x_y)
     for name in ("eval_on_rank_0_new", "eval_on_rank_0_cached"):
         model.train(rank != 0)
-        try:
-            step(model, optimizer, *x_y)
-            results[name] = "no error"
-        except spmd.SpmdError as e:
-            results[name] = f"{type(e).__name__}: {e}"
+        results[name] = _refusal(lambda: step(model, optimizer, *x_y))
         model.eval()
         step(model, optimizer, *x_y)  # every rank in eval(): the eval graph, now compiled on both
         model.train()
@@ -1113,11 +1094,7 @@ def run_bad_batches(rank: int, world: int) -> dict:
             step(model, optimizer, *x_y)
             if rank == 0:
                 torch.rand(3)
-        try:
-            step(model, optimizer, *x_y)
-            results[name] = "no error"
-        except spmd.SpmdError as e:
-            results[name] = f"{type(e).__name__}: {e}"
+        results[name] = _refusal(lambda: step(model, optimizer, *x_y))
     torch.manual_seed(0)  # the fix
     step(model, optimizer, *x_y)
     # Tensor-parallel ranks must pass the same batch (a DistributedSampler over all ranks gives each
@@ -1130,22 +1107,14 @@ def run_bad_batches(rank: int, world: int) -> dict:
     ):
         model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
         step = spmd.compile(mesh=mesh, plan=plan, lower="eager")(scaled_step)
-        try:
-            step(model, torch.optim.SGD(model.parameters(), lr=0.1), *args, *([1.0] if len(args) == 2 else []))
-            results[name] = "no error"
-        except spmd.SpmdError as e:
-            results[name] = f"{type(e).__name__}: {e}"
+        results[name] = _refusal(lambda: step(model, torch.optim.SGD(model.parameters(), lr=0.1), *args, *([1.0] if len(args) == 2 else [])))
     # The same on a later call, when the graph of the first (equal values) is bound: checked every call.
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(scaled_step)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     step(model, optimizer, *x_y, torch.tensor(2.0))
     step(model, optimizer, *x_y, torch.tensor(3.0))
-    try:
-        step(model, optimizer, *x_y, torch.tensor(float(rank + 1)))
-        results["ddp_different_scalars_later"] = "no error"
-    except spmd.SpmdError as e:
-        results["ddp_different_scalars_later"] = f"{type(e).__name__}: {e}"
+    results["ddp_different_scalars_later"] = _refusal(lambda: step(model, optimizer, *x_y, torch.tensor(float(rank + 1))))
     # State edited between calls on rank 0 only (`load_state_dict` or a weight edit under
     # `if rank == 0:`): no call can see it, the ranks train different models from then on.
     # spmd.check_replicas compares the values: it passes before the edit, names the tensor after it,
@@ -1297,11 +1266,7 @@ def run_refused_data_assignments(rank: int, world: int, plan: str) -> dict:
     mesh = _mesh(plan, world)
     results = {}
     for name, scenario in REFUSED_DATA_ASSIGNMENTS.items():
-        try:
-            run_loop(mesh, PLANS[plan][1](), **scenario)
-            results[name] = "no error"
-        except spmd.SpmdError as e:
-            results[name] = f"{type(e).__name__}: {e}"
+        results[name] = _refusal(lambda: run_loop(mesh, PLANS[plan][1](), **scenario))
     return results
 
 
@@ -1497,11 +1462,8 @@ def run_batch_layouts(rank: int, world: int, plan: str) -> dict:
         ref_loss, ref_h, ref_c = truncated_bptt_step(ref, x, y, ref_h, ref_c)
         losses.append((loss, ref_loss))
     results["rnn_state"] = {"losses": losses, "params": params(model, ref), "state": (h, ref_h), "cell": (c, ref_c)}
-    try:  # The returned (global) state passed back as it is.
-        compiled(model, mine(x, 1), mine(y, 1), h, c)
-        results["global_state_passed_back"] = "no error"
-    except spmd.SpmdError as e:
-        results["global_state_passed_back"] = f"{type(e).__name__}: {e}"
+    # The returned (global) state passed back as it is.
+    results["global_state_passed_back"] = _refusal(lambda: compiled(model, mine(x, 1), mine(y, 1), h, c))
     return results
 
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+import cases
 import spmd_expand as spmd
 from spmd_expand.guards import snapshot
 from spmd_expand.trace import FloatArgument
@@ -120,11 +121,7 @@ def test_snapshot_compares_non_tensor_states_by_value():
 
 
 def _step(model, optimizer, x):
-    loss = model(x).square().mean()
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
+    return cases.update(model(x).square().mean(), optimizer)
 
 
 def _compiled(fake_mesh, fn, model_class=Net):
@@ -754,14 +751,7 @@ def test_a_float_argument_inductor_takes_as_a_constant_compiles_per_value(fake_m
 
 def _smoothed_step(model, optimizer, x, lam):
     loss = torch.nn.functional.cross_entropy(model(x), torch.zeros(x.shape[0], dtype=torch.long), label_smoothing=lam / 2)
-    return _update(loss, optimizer)
-
-
-def _update(loss, optimizer):
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
+    return cases.update(loss, optimizer)
 
 
 def test_guards_with_torchs_sympy_functions_are_checked(fake_mesh):
