@@ -581,11 +581,14 @@ _VALUE_SAMPLE = 1 << 16
 
 def replicated_values(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: DeviceMesh) -> list[tuple[int, tuple[int, ...], int]]:
     """``(argument index, mesh dims that split it, CRC-32 of its values)`` for each batch tensor some
-    mesh dim of size > 1 replicates (a tensor-parallel dim; any dim, for a 0-d tensor): the ranks
-    that hold the same piece of it must hold the same values. Tensors of more than 65,536 elements
-    are sampled at evenly spaced elements (a different batch differs there too)."""
+    mesh dim of size > 1 replicates (a tensor-parallel dim): the ranks that hold the same piece of it
+    must hold the same values. Tensors of more than 65,536 elements are sampled at evenly spaced
+    elements (a different batch differs there too). Not 0-d tensors: :func:`check_batch` compares
+    their values on every call."""
     out = []
     for i, t in enumerate(leaves):
+        if t.dim() == 0:
+            continue
         placements = plan.batch_placements(t)
         if not any(isinstance(p, Replicate) and mesh.size(d) > 1 for d, p in enumerate(placements)):
             continue
@@ -626,12 +629,7 @@ def _check_replicated_values(leaves: Sequence[torch.Tensor], plan: ResolvedPlan,
             ranks, [(tuple(coords[rank][d] for d in split), report[k][2]) for rank, report in zip(ranks, reports)]
         )
         if sides is not None:
-            t = leaves[i]
-            lines.append(
-                f"  argument {i} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}, replicated over mesh "
-                f"dim(s) {[d for d in range(mesh.ndim) if d not in split and mesh.size(d) > 1]}: values differ "
-                f"between {sides}"
-            )
+            lines.append(_replica_line(leaves[i], i, [d for d in range(mesh.ndim) if d not in split and mesh.size(d) > 1], sides))
     if lines:
         raise _replicas_differ(lines)
 
@@ -644,11 +642,17 @@ def _different_scalars(leaves: Sequence[torch.Tensor], mesh: DeviceMesh, ranks: 
         sides = replica_disagreement(ranks, [((), repr(s[k][1])) for s in scalars])
         if sides is not None:
             values = ", ".join(f"rank {rank} {s[k][1]!r}" for rank, s in zip(ranks, scalars))
-            lines.append(
-                f"  argument {i} () {str(leaves[i].dtype).replace('torch.', '')}, replicated over mesh dim(s) "
-                f"{[d for d in range(mesh.ndim) if mesh.size(d) > 1]}: values differ between {sides} ({values})"
-            )
+            lines.append(_replica_line(leaves[i], i, [d for d in range(mesh.ndim) if mesh.size(d) > 1], f"{sides} ({values})"))
     return _replicas_differ(lines)
+
+
+def _replica_line(t: torch.Tensor, index: int, dims: list[int], sides: str) -> str:
+    """One line of :func:`_replicas_differ`: batch argument ``index``, the mesh ``dims`` replicating it,
+    the ranks on each side."""
+    return (
+        f"  argument {index} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}, replicated over mesh "
+        f"dim(s) {dims}: values differ between {sides}"
+    )
 
 
 def _replicas_differ(lines: list[str]) -> BatchError:

@@ -1394,7 +1394,10 @@ def _settle_state_changes(changes: list[StateChange], scalars: _SymbolicScalars)
     replays = []
     for c in changes:
         if c.replay is not None and not c.traced:
-            replays.append(lambda values, replay=c.replay: replay(scalars.resolver(values)))
+            if any(type(v) in _SymbolicScalars._TYPES for v in (c.assigned or {}).values()):
+                replays.append(lambda values, replay=c.replay: replay(scalars.resolver(values)))
+            else:  # Python scalars only (`self.calls += 1`): nothing to evaluate on each call
+                replays.append(lambda values, replay=c.replay: replay())
         elif c.traced:
             c.undo()
             if c.in_library_module:  # torch's or a package's module (an RNN's _flat_weights): its business
