@@ -243,6 +243,15 @@ class PythonGuards:
             now = v.read()
             if not _same(now, v.value):
                 shown = "<deleted>" if now is _MISSING else repr(now)
+                if ATTRIBUTE_NAMES in v.description and isinstance(v.value, frozenset):
+                    owner = v.description.replace(f".{ATTRIBUTE_NAMES}", "").replace(f"{ATTRIBUTE_NAMES} of ", "")
+                    added = sorted(now - v.value) if isinstance(now, frozenset) else []
+                    removed = sorted(v.value - now) if isinstance(now, frozenset) else sorted(v.value)
+                    return (
+                        f"the {owner.removeprefix('attribute ')} has attributes set or deleted since the trace "
+                        f"(set: {', '.join(added) or 'none'}; deleted: {', '.join(removed) or 'none'}). Its reads "
+                        f"cannot be recorded one by one (a SimpleNamespace), so all its attributes are guarded"
+                    )
                 if isinstance(v.value, _FUNCTION_TYPES):
                     return f"the trace ran the function {v.description} == {v.value!r} (now {shown}); one graph is kept per function"
                 return (
@@ -430,7 +439,12 @@ def record_reads(model: nn.Module, held: Sequence[tuple[str, Any, Callable[[], A
             _give_recording_class(module, swapped)
         for value, where in holders.values():
             if not _give_recording_class(value, swapped):
-                whole.append((value, where, _scalar_attributes(value)))
+                # No read of it is seen, a read of an attribute it lacks either (getattr(ns, "scale",
+                # 1.0)): its attributes' values and names are guarded, so one set later is a change.
+                attributes = _scalar_attributes(value)
+                if hasattr(value, "__dict__"):
+                    attributes[ATTRIBUTE_NAMES] = frozenset(vars(value))
+                whole.append((value, where, attributes))
         _recorders.append(reads)
         yield result
     finally:
@@ -473,9 +487,23 @@ def _nested_holder(child: Any, attr: str, where: tuple, holders: dict) -> tuple:
     return child, placed
 
 
+# A pseudo attribute: the names an object's ``__dict__`` holds (a frozenset), for objects whose reads
+# cannot be recorded (a ``SimpleNamespace``).
+ATTRIBUTE_NAMES = "<attribute names>"
+
+
 def _attribute_reader(holder: Callable[[], Any], name: str) -> Callable[[], Any]:
-    """A reader of attribute ``name`` (dotted names too) of what ``holder()`` returns; ``_MISSING``
-    when the holder or the attribute is gone."""
+    """A reader of attribute ``name`` (dotted names too; the last one may be :data:`ATTRIBUTE_NAMES`)
+    of what ``holder()`` returns; ``_MISSING`` when the holder or the attribute is gone."""
+    path, _, last = name.rpartition(".")
+    if last == ATTRIBUTE_NAMES:
+        owner = _attribute_reader(holder, path) if path else holder
+
+        def read_names() -> Any:
+            obj = owner()
+            return _MISSING if obj is _MISSING else frozenset(getattr(obj, "__dict__", ()))
+
+        return read_names
     get = operator.attrgetter(name)
 
     def read() -> Any:
