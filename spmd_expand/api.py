@@ -9,6 +9,7 @@ conversion of the state to DTensors is :mod:`spmd_expand.state`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import warnings
 import weakref
@@ -25,7 +26,10 @@ from torch.distributed.tensor import DTensor, Shard
 from . import optimizer_state
 from .errors import PassError, PlacementError, SpmdError, TraceError, UnsupportedOpError, first_line
 from .expand import RedistributeCache
-from .guards import CallState, ObjectIds, Snapshot, batch_problems, cache_key, check_batch, initialize_optimizer_state, is_dense, snapshot
+from .guards import (
+    CallState, ObjectIds, Snapshot, batch_problems, cache_key, check_batch, initialize_optimizer_state, is_dense, snapshot,
+    value_digest,
+)
 from .lower import LOWERINGS
 from .passes import resolve_passes
 from .pipeline import Override, StepArtifacts, compile_step
@@ -34,7 +38,11 @@ from .plans import Plan, ResolvedPlan, resolve_plan
 from .python_values import argument_key
 from .spec import AS_PRODUCED, replicate
 from .state import adopt_replaced_parameters, broadcast_materialized_state, check_optimizer_params, distribute_state, refuse_eager_calls, unwrapped
-from .trace import FloatArgument, HyperParameter, InputRole, TensorSpec, TracedStep, argument_labels, float_arguments, hyperparameters_of
+from .python_values import TensorConstant
+from .trace import (
+    FloatArgument, HyperParameter, InputRole, TensorSpec, TracedStep, argument_labels, float_arguments, hyperparameters_of,
+    step_tensor_constants,
+)
 from .watch import as_timedelta, set_group_timeouts
 
 __all__ = ["compile", "CompiledStep", "Override", "StepArtifacts"]
@@ -95,11 +103,18 @@ class _Binding:
     constants: tuple
     gradient_sync: bool
     hyperparameters: list  # HyperParameter, then FloatArgument
+    # (input index, TensorConstant, (shape, dtype, device)): read from its place on every call
+    tensor_constants: list = dataclasses.field(default_factory=list)
 
     def local_inputs(self, batch_leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         out = list(self.local_template)
         for index, leaf in self.batch_inputs:
             out[index] = batch_leaves[leaf]
+        for index, constant, meta in self.tensor_constants:
+            tensor = constant.read()
+            if not isinstance(tensor, torch.Tensor) or tensor.requires_grad or (tensor.shape, tensor.dtype, tensor.device) != meta:
+                raise _Stale
+            out[index] = tensor
         for index, param, placements, shape in self.gradients:
             grad = param.grad
             if type(grad) is not DTensor or grad.placements != placements or grad.shape != shape:
@@ -119,6 +134,7 @@ class _Selection:
     specs: list
     placements: list
     locals_: list
+    tensor_constants: list  # TensorConstant, in the order of the graph's constant inputs
     compiled: list  # the cache entry: graphs compiled for this state
     artifacts: Optional[StepArtifacts]  # the one whose guards hold; None: compile one
 
@@ -208,8 +224,10 @@ class CompiledStep:
         distribute_state(model, optimizer, self.mesh, self._resolved, self.timeout)
 
     # ------------------------------------------------------------------ inputs
-    def _inputs(self, model, optimizer, batch_leaves):
-        """(roles, global specs, placements, local tensors) of every graph input, in graph order."""
+    def _inputs(self, model, optimizer, batch_leaves, tensor_constants: Sequence[TensorConstant] = ()):
+        """(roles, global specs, placements, local tensors) of every graph input, in graph order:
+        parameters, buffers, gradients, optimizer states, the batch, then the tensors the step reads
+        from elsewhere (``tensor_constants``, replicated)."""
         plan = self._resolved
         roles, specs, placements, locals_ = [], [], [], []
 
@@ -244,10 +262,13 @@ class CompiledStep:
             # Size-0/1 dims are specialized by the shape env; they cannot be symbolic.
             dynamic = [d for d in dynamic if shape[d] >= 2]
             add(InputRole("batch", key=str(i)), shape, t, pl, dynamic)
+        for constant in tensor_constants:
+            t = constant.read()
+            add(InputRole("constant", key=constant.label), t.shape, t, replicate(self.mesh))
         return roles, specs, placements, locals_
 
     # ------------------------------------------------------------------ compile
-    def _compile(self, args, kwargs, model, optimizer, roles, specs, placements, example_inputs, float_args) -> StepArtifacts:
+    def _compile(self, args, kwargs, model, optimizer, roles, specs, placements, example_inputs, float_args, tensor_constants) -> StepArtifacts:
         params = dict(model.named_parameters())
         plan = self._resolved
         sync = self.requires_gradient_sync
@@ -265,6 +286,7 @@ class CompiledStep:
             keep_graphs=self.keep_graphs,
             timeout=self.timeout,
             float_args=float_args,
+            tensor_constants=tensor_constants,
         )
 
     def prepare(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
@@ -342,10 +364,12 @@ class CompiledStep:
             values = [hp.read(optimizer, leaves) for hp in hyperparameters]
             selection = self._select(model, optimizer, batch_leaves, constants, hyperparameters, values)
             selected = selection.artifacts if selection else None
+            held = [(r.key, t) for r, t in zip(selection.roles, selection.locals_) if r.kind == "constant"] if selection else []
         else:
             self._resolved = self._binding.resolved
             hyperparameters, values = self._binding.hyperparameters, bound[2]
             selected = bound[0]
+            held = [(constant.label, bound[1][index]) for index, constant, _ in self._binding.tensor_constants]
         # A new compilation (selected None) compares the generators when it checks its graph.
         generator = generator_state(self.mesh.device_type) if selected is not None and selected.draws_random else None
         graph = selected.graph_digest if selected is not None else None
@@ -353,7 +377,7 @@ class CompiledStep:
             batch_leaves, self._resolved, self.mesh,
             CallState(
                 constants, hyperparameters, values, graph, model, optimizer, generator, check_values=bound is None,
-                step=self._step_name,
+                step=self._step_name, tensor_constants=tuple((label, value_digest(t)) for label, t in held),
             ),
         )
         # The step updates local shards in place; autograd must not track that.
@@ -402,16 +426,19 @@ class CompiledStep:
             return None
         return binding.artifacts, locals_, values
 
-    def _bind(self, model, optimizer, taken: Snapshot, roles, placements, specs, locals_, batch_leaves, constants, hyperparameters, artifacts) -> None:
+    def _bind(self, model, optimizer, taken: Snapshot, roles, placements, specs, locals_, batch_leaves, constants, hyperparameters, artifacts, tensor_constants) -> None:
         params = dict(model.named_parameters())
+        by_label = {c.label: c for c in tensor_constants}
         template: list = []
-        gradients, batch_inputs = [], []
+        gradients, batch_inputs, constant_inputs = [], [], []
         for index, (role, pl, spec, local) in enumerate(zip(roles, placements, specs, locals_)):
             template.append(local if role.kind in ("param", "buffer", "state") else None)
             if role.kind == "grad":
                 gradients.append((index, params[role.fqn], pl, torch.Size(spec.shape)))
             elif role.kind == "batch":
                 batch_inputs.append((index, int(role.key)))
+            elif role.kind == "constant":
+                constant_inputs.append((index, by_label[role.key], (local.shape, local.dtype, local.device)))
         self._binding = _Binding(
             snapshot=taken,
             artifacts=artifacts,
@@ -423,6 +450,7 @@ class CompiledStep:
             constants=constants,
             gradient_sync=self.requires_gradient_sync,
             hyperparameters=hyperparameters,
+            tensor_constants=constant_inputs,
         )
 
     def _select(self, model, optimizer, batch_leaves, constants, hyperparameters, values) -> Optional[_Selection]:
@@ -431,7 +459,8 @@ class CompiledStep:
         if batch_problems(batch_leaves, self._resolved, self.mesh):
             return None
         taken = snapshot(model, optimizer)
-        roles, specs, placements, locals_ = self._inputs(model, optimizer, batch_leaves)
+        tensor_constants = step_tensor_constants(self.fn, model, optimizer)
+        roles, specs, placements, locals_ = self._inputs(model, optimizer, batch_leaves, tensor_constants)
         key = cache_key(
             self._ids, model, optimizer, hyperparameters, tuple(zip(roles, specs, placements)), constants,
             self.requires_gradient_sync,
@@ -441,7 +470,7 @@ class CompiledStep:
             (a for a in compiled if a.traced.guards.check(values) is None and a.traced.python_guards.check() is None),
             None,
         )
-        return _Selection(taken, roles, specs, placements, locals_, compiled, artifacts)
+        return _Selection(taken, roles, specs, placements, locals_, tensor_constants, compiled, artifacts)
 
     def _run(self, args, kwargs, model, optimizer, batch_leaves, constants, hyperparameters, values, selection: _Selection) -> Any:
         """A full-path call: compile the selected state's graph if none holds (:meth:`_select`), bind
@@ -479,7 +508,8 @@ class CompiledStep:
             float_args = [hp for hp in hyperparameters if isinstance(hp, FloatArgument)]
             try:
                 artifacts = self._compile(
-                    args, kwargs, model, optimizer, sel.roles, sel.specs, sel.placements, sel.locals_ + values, float_args
+                    args, kwargs, model, optimizer, sel.roles, sel.specs, sel.placements, sel.locals_ + values, float_args,
+                    sel.tensor_constants,
                 )
             except (TraceError, UnsupportedOpError, PlacementError, PassError) as e:
                 # A stage failed on the graph (not the ranks' agreement or a collective, which tracing
@@ -491,7 +521,7 @@ class CompiledStep:
         self.last = artifacts
         self._bind(
             model, optimizer, sel.snapshot, sel.roles, sel.placements, sel.specs, sel.locals_, batch_leaves, constants,
-            hyperparameters, artifacts,
+            hyperparameters, artifacts, sel.tensor_constants,
         )
         outputs = artifacts.runner(*sel.locals_, *values)
         return self._write_back(artifacts.traced, outputs, model, optimizer, values)

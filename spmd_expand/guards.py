@@ -69,6 +69,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import optimizer_state
 from .errors import BatchError, CollectiveError, DivergenceError, SpmdError, first_line
@@ -374,6 +375,9 @@ class CallState:
         distributes: set (with no batch) by :func:`check_state_distribution`: what this rank is about to
             send from rank 0 to every rank, outside a step.
         step: the compiled step function this call runs (module and qualified name), None outside a step.
+        tensor_constants: ``(label, digest)`` of each tensor the step reads from elsewhere (a graph
+            input, replicated: :class:`~spmd_expand.python_values.TensorConstant`;
+            :func:`value_digest`), compared on every call.
     """
 
     constants: tuple = ()
@@ -386,6 +390,7 @@ class CallState:
     check_values: bool = False
     distributes: Optional[str] = None
     step: Optional[str] = None
+    tensor_constants: tuple = ()
 
 
 def check_batch(leaves: Sequence[torch.Tensor], plan: Optional[ResolvedPlan], mesh: DeviceMesh, call: CallState = CallState()) -> None:
@@ -440,7 +445,7 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: Optional[ResolvedPlan], me
             zlib.crc32(repr(shapes).encode()),
             len(leaves),
             int(bool(problems)),
-            zlib.crc32(repr((constants, values, call.graph, call.generator, call.distributes, call.step, scalars)).encode()),
+            zlib.crc32(repr((constants, values, call.graph, call.generator, call.distributes, call.step, scalars, call.tensor_constants)).encode()),
             int(call.check_values),
         ],
         dtype=torch.int64,
@@ -470,7 +475,7 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: Optional[ResolvedPlan], me
     reports: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(
         reports,
-        (shapes, problems, constants, values, call.graph, summary, call.generator, call.distributes, call.step, scalars),
+        (shapes, problems, constants, values, call.graph, summary, call.generator, call.distributes, call.step, scalars, call.tensor_constants),
         group=group,
     )
     ranks = dist.get_process_group_ranks(group)
@@ -482,6 +487,8 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: Optional[ResolvedPlan], me
     if batches_agree and all(r[2] == reports[0][2] for r in reports):
         if any(repr(r[9]) != repr(reports[0][9]) for r in reports):
             raise _different_scalars(leaves, mesh, ranks, [r[9] for r in reports])
+        if any(r[10] != reports[0][10] for r in reports):
+            raise _different_tensor_constants(ranks, [r[10] for r in reports])
         if any(repr(r[3]) != repr(reports[0][3]) for r in reports):
             raise _different_values(call.hyperparameters, ranks, [r[3] for r in reports])
         if any(r[4] != reports[0][4] for r in reports):
@@ -592,10 +599,7 @@ def replicated_values(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: 
         placements = plan.batch_placements(t)
         if not any(isinstance(p, Replicate) and mesh.size(d) > 1 for d, p in enumerate(placements)):
             continue
-        flat = t.detach().reshape(-1)
-        if flat.numel() > _VALUE_SAMPLE:
-            flat = flat[:: -(-flat.numel() // _VALUE_SAMPLE)]
-        crc = zlib.crc32(flat.contiguous().view(torch.uint8).cpu().numpy())
+        crc = _crc(t)
         out.append((i, tuple(d for d, p in enumerate(placements) if isinstance(p, Shard)), crc))
     return out
 
@@ -644,6 +648,48 @@ def _different_scalars(leaves: Sequence[torch.Tensor], mesh: DeviceMesh, ranks: 
             values = ", ".join(f"rank {rank} {s[k][1]!r}" for rank, s in zip(ranks, scalars))
             lines.append(_replica_line(leaves[i], i, [d for d in range(mesh.ndim) if mesh.size(d) > 1], f"{sides} ({values})"))
     return _replicas_differ(lines)
+
+
+def _different_tensor_constants(ranks: Sequence[int], held: Sequence[tuple]) -> BatchError:
+    """The error for ranks whose tensors read from elsewhere (``held``: each rank's ``(label, digest)``
+    pairs, :attr:`CallState.tensor_constants`) hold different values."""
+    lines = []
+    for k, (label, _) in enumerate(held[0]):
+        sides = replica_disagreement(ranks, [((), h[k] if k < len(h) else None) for h in held])
+        if sides is not None:
+            lines.append(f"  {label}: values differ between {sides}")
+    return BatchError(
+        "the ranks hold different values of tensors the step reads that are not its arguments, the model's "
+        "or the optimizer's:\n" + "\n".join(lines) + "\n"
+        "  such a tensor is a replicated input of the one program over the global batch (its value on one "
+        "device), the same on every rank; the step did not run, nothing was updated\n"
+        "  fix: give it the same values on every rank: seed before creating it (a module built at import time "
+        "is initialized from each process's own random state), compute it from data every rank has (class "
+        "weights from the whole dataset's labels, not from a rank's shard), or register it on the model "
+        "(`model.register_buffer(name, tensor)`), whose state every rank receives from rank 0 on the first call"
+    )
+
+
+def value_digest(t: torch.Tensor) -> int:
+    """CRC-32 of ``t``'s values (sampled at 65,536 evenly spaced elements above that), computed again
+    only when ``t`` was written in place since (its version counter; writes through ``.data`` or a
+    numpy view are not counted)."""
+    cached = _DIGESTS.get(t)
+    if cached is not None and cached[0] == t._version:
+        return cached[1]
+    crc = _crc(t)
+    _DIGESTS[t] = (t._version, crc)
+    return crc
+
+
+def _crc(t: torch.Tensor) -> int:
+    flat = t.detach().reshape(-1)
+    if flat.numel() > _VALUE_SAMPLE:
+        flat = flat[:: -(-flat.numel() // _VALUE_SAMPLE)]
+    return zlib.crc32(flat.contiguous().view(torch.uint8).cpu().numpy())
+
+
+_DIGESTS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 
 
 def _replica_line(t: torch.Tensor, index: int, dims: list[int], sides: str) -> str:

@@ -229,6 +229,7 @@ def expand_step(
     timeout: Optional[timedelta] = None,
     parameter_hooks: bool = True,
     float_args: Sequence[Any] = (),
+    tensor_constants: Sequence[Any] = (),
 ) -> StepArtifacts:
     """Run the stages up to the local passes (not lower) and return what they produced.
 
@@ -242,6 +243,8 @@ def expand_step(
     the trace (``spmd.compile``); False where eager autograd runs them on the gradients the graph
     returns (the ``torch.compile`` backend). ``float_args``: the step's float arguments that are
     graph inputs (:func:`~spmd_expand.trace.float_arguments`), after the optimizer's hyperparameters.
+    ``tensor_constants``: the places of the tensors the step reads from elsewhere, whose inputs have
+    ``constant`` roles (:func:`~spmd_expand.trace.step_tensor_constants`).
 
     Raises:
         TraceError, UnsupportedOpError, PlacementError, PassError: from the stage that failed.
@@ -251,7 +254,7 @@ def expand_step(
     with clock.stage("trace"), _overrides(model, module_override), traceable_batch_norms(model):
         traced = trace_step(
             fn, args, kwargs, model, optimizer, roles, specs, plan.module_layouts(), plan.mixed_precision(model),
-            parameter_hooks=parameter_hooks, float_args=float_args,
+            parameter_hooks=parameter_hooks, float_args=float_args, tensor_constants=tensor_constants,
         )
     # The trace-time module swaps above are undone: bind the module reads to the model's own modules.
     traced.python_guards.bind(model)

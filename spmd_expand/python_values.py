@@ -88,6 +88,8 @@ __all__ = [
     "is_settings_object",
     "record_reads",
     "settings_variables",
+    "TensorConstant",
+    "tensor_constants",
 ]
 
 _SCALAR_TYPES = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
@@ -580,15 +582,15 @@ def _loaded_values(fn: types.FunctionType) -> Iterator[tuple[str, str, Any, Any,
     defaults = fn.__defaults__ or ()
     with_defaults = code.co_varnames[code.co_argcount - len(defaults):code.co_argcount]
     for i, (name, value) in enumerate(zip(with_defaults, defaults)):
-        yield "default", name, (id(fn), name), value, _default_reader(fn, i)
+        yield "default", name, (id(fn), name), value, _DefaultSlot(fn, i)
     for name, value in (fn.__kwdefaults__ or {}).items():
-        yield "default", name, (id(fn), name), value, _global_reader(fn.__kwdefaults__, name)
+        yield "default", name, (id(fn), name), value, _GlobalSlot(fn.__kwdefaults__, name)
     cells = dict(zip(code.co_freevars, fn.__closure__ or ()))
     for kind, name in _loads(code):
         if kind == "global":
             scope = fn.__globals__
             if name in scope:
-                yield kind, name, (id(scope), name), scope[name], _global_reader(scope, name)
+                yield kind, name, (id(scope), name), scope[name], _GlobalSlot(scope, name)
                 if _is_user_module(scope[name]):
                     yield from _module_attributes(scope[name], code)
         else:
@@ -599,7 +601,7 @@ def _loaded_values(fn: types.FunctionType) -> Iterator[tuple[str, str, Any, Any,
                 value = cell.cell_contents
             except ValueError:  # an empty cell (assigned later in the enclosing function)
                 continue
-            yield kind, name, (id(cell), name), value, _cell_reader(cell)
+            yield kind, name, (id(cell), name), value, _CellSlot(cell)
 
 
 def _is_user_module(value: Any) -> bool:
@@ -614,7 +616,7 @@ def _module_attributes(module: types.ModuleType, code: types.CodeType) -> Iterat
     scope = vars(module)
     for name in dict.fromkeys(_attribute_names(code)):
         if name in scope and not name.startswith("__"):
-            yield "module", f"{module.__name__}.{name}", (id(scope), name), scope[name], _global_reader(scope, name)
+            yield "module", f"{module.__name__}.{name}", (id(scope), name), scope[name], _GlobalSlot(scope, name)
 
 
 # How many calls deep the user's functions are followed. Each function is read once, so the cost is
@@ -762,6 +764,84 @@ def settings_variables(functions: list[Callable], depth: int = FOLLOW_DEPTH) -> 
     return result
 
 
+@dataclass(frozen=True)
+class TensorConstant:
+    """A tensor the step reads that is neither its argument nor the model's or the optimizer's: a
+    global or closure variable holding one (``CLASS_WEIGHTS``), or a parameter or buffer of a module
+    held there that is not the model's (``criterion = nn.CrossEntropyLoss(weight=w)``, a frozen
+    feature extractor of a perceptual loss). A graph input (replicated), read on every call.
+
+    ``label`` names the place (``"buffer weight of global criterion of train"``); ``read()`` returns
+    what it holds now (``_MISSING`` when gone); ``write(value)`` puts a value there (a fake tensor
+    while tracing, then the original back)."""
+
+    label: str
+    read: Callable[[], Any]
+    write: Callable[[Any], None]
+
+
+def _liftable(value: Any) -> bool:
+    """A tensor a graph can take as a replicated input in place of the step reading it: a plain
+    tensor (not a DTensor or another subclass: a ``Parameter`` is one only if it needs no gradient)
+    that needs no gradient."""
+    return isinstance(value, torch.Tensor) and type(value) in (torch.Tensor, nn.Parameter) and not value.requires_grad
+
+
+def tensor_constants(functions: list[Callable], model: nn.Module, depth: int = FOLLOW_DEPTH) -> list[TensorConstant]:
+    """The :class:`TensorConstant` places the user's ``functions`` (followed as :func:`code_reads`
+    follows them) read: each global, closure variable or default argument value holding a tensor
+    that needs no gradient (:func:`_liftable`), and each such parameter and buffer of a module held
+    there that is not one of ``model``'s (by dotted name from it). Tensors of ``model`` are its
+    inputs already and are left out, as are tensors that need a gradient (the step would train
+    them: a graph has no place to put it)."""
+    own = {id(m) for m in model.modules()}
+    own |= {id(t) for t in itertools.chain(model.parameters(), model.buffers())}
+    found: list[TensorConstant] = []
+    seen: set = set()
+    for fn in _user_functions(functions, depth):
+        for kind, name, key, value, slot in _loaded_values(fn):
+            if key in seen or id(value) in own:
+                continue
+            seen.add(key)
+            label = _variable_label(kind, name, fn)
+            if _liftable(value):
+                found.append(TensorConstant(label, slot, slot.write))
+            elif isinstance(value, nn.Module):
+                tensors = itertools.chain(
+                    (("parameter", n, t) for n, t in value.named_parameters(remove_duplicate=False)),
+                    (("buffer", n, t) for n, t in value.named_buffers(remove_duplicate=False)),
+                )
+                for what, dotted, tensor in tensors:
+                    if id(tensor) not in own and _liftable(tensor):
+                        read, write = _module_tensor_slot(slot, dotted)
+                        found.append(TensorConstant(f"{what} {dotted} of {label}", read, write))
+    return found
+
+
+def _module_tensor_slot(holder: Callable[[], Any], dotted: str) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    """(reader, writer) of the parameter or buffer at ``dotted`` of the module ``holder()`` returns,
+    through its ``_parameters`` / ``_buffers`` dict (as ``torch.nn.utils.stateless`` swaps them)."""
+    path, _, name = dotted.rpartition(".")
+
+    def owner() -> Any:
+        module = holder()
+        for atom in path.split(".") if path else ():
+            module = getattr(module, "_modules", {}).get(atom, _MISSING)
+        return module
+
+    def read() -> Any:
+        module = owner()
+        if not isinstance(module, nn.Module):
+            return _MISSING
+        return module._parameters.get(name, module._buffers.get(name, _MISSING))
+
+    def write(value: Any) -> None:
+        module = owner()
+        (module._parameters if name in module._parameters else module._buffers)[name] = value
+
+    return read, write
+
+
 def _holds_attributes(value: Any) -> bool:
     """Whether :func:`record_reads` records attribute reads of ``value``."""
     return is_settings_object(value) or isinstance(value, nn.Module)
@@ -820,22 +900,50 @@ def _variable_label(kind: str, name: str, fn: types.FunctionType) -> str:
     return f"global {name} of {fn.__module__}" if kind == "global" else f"closure variable {name} of {fn.__qualname__}"
 
 
-def _global_reader(scope: dict, name: str) -> Callable[[], Any]:
-    return lambda: scope.get(name, _MISSING)
+class _GlobalSlot:
+    """A reader (call it) and writer (:meth:`write`) of ``scope[name]``: a global, a user module's
+    attribute, a keyword-only default; ``_MISSING`` when it is unset."""
+
+    def __init__(self, scope: dict, name: str) -> None:
+        self.scope, self.name = scope, name
+
+    def __call__(self) -> Any:
+        return self.scope.get(self.name, _MISSING)
+
+    def write(self, value: Any) -> None:
+        self.scope[self.name] = value
 
 
-def _default_reader(fn: types.FunctionType, i: int) -> Callable[[], Any]:
-    return lambda: fn.__defaults__[i] if i < len(fn.__defaults__ or ()) else _MISSING
+class _DefaultSlot:
+    """A reader and writer of the ``i``-th default argument value of ``fn``."""
+
+    def __init__(self, fn: types.FunctionType, i: int) -> None:
+        self.fn, self.i = fn, i
+
+    def __call__(self) -> Any:
+        defaults = self.fn.__defaults__ or ()
+        return defaults[self.i] if self.i < len(defaults) else _MISSING
+
+    def write(self, value: Any) -> None:
+        defaults = list(self.fn.__defaults__)
+        defaults[self.i] = value
+        self.fn.__defaults__ = tuple(defaults)
 
 
-def _cell_reader(cell: types.CellType) -> Callable[[], Any]:
-    def read() -> Any:
+class _CellSlot:
+    """A reader and writer of a closure variable's cell."""
+
+    def __init__(self, cell: types.CellType) -> None:
+        self.cell = cell
+
+    def __call__(self) -> Any:
         try:
-            return cell.cell_contents
+            return self.cell.cell_contents
         except ValueError:
             return _MISSING
 
-    return read
+    def write(self, value: Any) -> None:
+        self.cell.cell_contents = value
 
 
 def forward_functions(model: nn.Module) -> list[Callable]:

@@ -74,7 +74,9 @@ from .python_values import (
     hook_functions,
     record_reads,
     settings_variables,
+    tensor_constants,
     user_optimizers,
+    TensorConstant,
 )
 from .errors import TraceError, in_torch_or_spmd_expand, node_error, user_source_line
 from .forms import equal_forms_patched, equal_valued_form
@@ -102,10 +104,12 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class InputRole:
-    """What a graph placeholder is: ``kind`` in {param, buffer, grad, state, batch}.
+    """What a graph placeholder is: ``kind`` in {param, buffer, grad, state, batch, constant}.
 
     ``fqn`` names the parameter or buffer (for grad/state: the parameter); ``key`` is the optimizer
-    state key (``"exp_avg"``) or, for batch tensors, the index of the leaf among the step's tensor args.
+    state key (``"exp_avg"``), for batch tensors the index of the leaf among the step's tensor args,
+    for a constant (a tensor the step reads from elsewhere, :class:`~spmd_expand.python_values.TensorConstant`)
+    the label of its place.
     """
 
     kind: str
@@ -941,6 +945,56 @@ def _refuse_host_reads(gm: fx.GraphModule) -> None:
             )
 
 
+def step_functions(fn: Callable[..., Any], model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> tuple[list[Callable], list[Any], list[type]]:
+    """The user's functions a trace of ``fn`` runs, whose code is read for the values it uses: the
+    step, each ``forward`` of the model's module classes, the hooks (and the objects holding them),
+    and the methods these call by name (``self.helper(x)``, ``model.compute_loss(batch)``) of the
+    model's classes and of the optimizer's and the optimizers' it wraps (a Lookahead's base).
+    Returns (functions, hook objects, those classes)."""
+    hooked, hook_objects = hook_functions(model, optimizer)
+    functions = [fn, *forward_functions(model), *hooked]
+    owners = [type(m) for m in model.modules()]
+    owners += [type(holder) for _, holder in optimizer_state.holders(optimizer)] if optimizer is not None else []
+    functions += called_methods(functions, owners)
+    return functions, hook_objects, owners
+
+
+def step_tensor_constants(fn: Callable[..., Any], model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> list[TensorConstant]:
+    """Where the step reads tensors that are neither its arguments nor the model's or the
+    optimizer's (:func:`~spmd_expand.python_values.tensor_constants` over :func:`step_functions`):
+    graph inputs, read on every call. Optimizer state is never one (the optimizer's tensors are
+    inputs by their own roles)."""
+    functions, _, _ = step_functions(fn, model, optimizer)
+    state = {id(v) for _, st in (optimizer_state.items(optimizer) if optimizer is not None else ()) for v in st.values()}
+    return [c for c in tensor_constants(functions, model) if id(c.read()) not in state]
+
+
+@contextlib.contextmanager
+def _constants_in_place(constants: Mapping[str, TensorConstant], by_role: Mapping[InputRole, Any]) -> Iterator[None]:
+    """While inside, each constant's place holds the graph input that stands for it (a fake tensor);
+    the original is put back after. A place the step assigned meanwhile (``W = W * 0.9``) is a
+    :class:`TraceError`: the new tensor would live only in the trace."""
+    placed = []
+    try:
+        for role, value in by_role.items():
+            if role.kind == "constant":
+                constant = constants[role.key]
+                placed.append((constant, constant.read(), value))
+                constant.write(value)
+        yield
+    finally:
+        assigned = [c.label for c, _, value in placed if c.read() is not value]
+        for constant, original, _ in reversed(placed):
+            constant.write(original)
+    if assigned:
+        raise TraceError(
+            f"the step assigns a new tensor to {', '.join(assigned)}, a tensor it reads and that is not "
+            f"its argument, the model's or the optimizer's: the compiled graph takes it as an input on "
+            f"every call and cannot assign it\n  fix: update it in place (`W.mul_(0.9)`), register it on the "
+            f"model (`model.register_buffer(name, tensor)`), or assign it outside the compiled step"
+        )
+
+
 def trace_step(
     fn: Callable[..., Any],
     args: tuple,
@@ -953,6 +1007,7 @@ def trace_step(
     mixed_precision: Optional[MixedPrecision] = None,
     parameter_hooks: bool = True,
     float_args: Sequence[FloatArgument] = (),
+    tensor_constants: Sequence[TensorConstant] = (),
 ) -> TracedStep:
     """Trace ``fn(*args, **kwargs)`` into a functional global graph.
 
@@ -966,6 +1021,9 @@ def trace_step(
             tensor that stands for it, so the trace runs them (False: the caller's autograd runs them).
         float_args: the float arguments of the step that are graph inputs (:func:`float_arguments`),
             after the optimizer's hyperparameters; the others are traced with their values.
+        tensor_constants: the places of the tensors the step reads from elsewhere that are graph
+            inputs (:func:`step_tensor_constants`): each has a ``constant`` input role labelled with
+            its place, and its input stands in there while the step is traced.
         input_roles / input_specs: one entry per graph input, with global shapes. Batch inputs
             (``kind == "batch"``, ``key`` = index among the tensor leaves of ``(args, kwargs)``) take
             the place of those leaves; param/buffer/grad/state inputs replace the model's and
@@ -1065,7 +1123,7 @@ def trace_step(
         ), mode.optimizer_step(optimizer), mark_boundaries(model, module_layouts or {}), mark_sequence_first(
             model
         ), _cast_root_io(model, mixed_precision.policy if mixed_precision else None), mode:
-            with record_reads(model, settings_objects) as reads:
+            with record_reads(model, settings_objects) as reads, _constants_in_place(constants_by_label, by_role):
                 result = fn(*call_args, **call_kwargs)
             recorded[:] = [reads]
             for original, wide, fqn, key in widened:
@@ -1108,13 +1166,8 @@ def trace_step(
         return out
 
     modes_before = {fqn: m.training for fqn, m in model.named_modules()}
-    hooked, hook_objects = hook_functions(model, optimizer)
-    user_functions = [fn, *forward_functions(model), *hooked]
-    # Methods the step, a forward or a hook calls by name (self.helper(x), model.compute_loss(batch)).
-    # The optimizer's and the optimizers' it wraps (a Lookahead's base optimizer).
-    owners = [type(m) for m in model.modules()]
-    owners += [type(holder) for _, holder in optimizer_state.holders(optimizer)] if optimizer is not None else []
-    user_functions += called_methods(user_functions, owners)
+    user_functions, hook_objects, owners = step_functions(fn, model, optimizer)
+    constants_by_label = {c.label: c for c in tensor_constants}
     optimizers = user_optimizers(optimizer)
     # torch's optimizers too, for their reads only: an attribute the user set on one and the step reads
     # (`loss * optimizer.loss_scale`) is baked in like a module's.

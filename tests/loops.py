@@ -589,6 +589,38 @@ def change_global_scale(i, pair):
     LOSS_SCALE = 2.0 if i >= 2 else 1.0  # 1, 1, 2, 2: two graphs
 
 
+# A class-weighted loss in a global criterion and a frozen module a loss term runs (a perceptual or
+# feature-matching loss), neither of them the model's: tensors the step reads from elsewhere, graph
+# inputs read on every call.
+CLASS_WEIGHTS = torch.tensor([1.0, 2.0, 0.5, 1.0])
+WEIGHTED_CRITERION = nn.CrossEntropyLoss(weight=CLASS_WEIGHTS)
+FROZEN_PROBE = nn.Linear(4, 3).requires_grad_(False)
+
+
+def global_tensors_step(model, optimizer, x, y):
+    out = model(x)
+    loss = WEIGHTED_CRITERION(out, y) + 0.1 * FROZEN_PROBE(out).square().mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def change_global_tensors(i, pair):
+    if i == 0:
+        WEIGHTED_CRITERION.weight = CLASS_WEIGHTS
+        CLASS_WEIGHTS.copy_(torch.tensor([1.0, 2.0, 0.5, 1.0]))
+        with torch.no_grad():  # (built at import: each rank's process drew other values)
+            FROZEN_PROBE.weight.copy_(torch.linspace(-1.0, 1.0, 12).reshape(3, 4))
+            FROZEN_PROBE.bias.copy_(torch.tensor([0.1, -0.2, 0.3]))
+    if i == 2:  # changed in place: a graph input, no compilation
+        CLASS_WEIGHTS.copy_(torch.tensor([0.5, 1.0, 3.0, 1.0]))
+        with torch.no_grad():
+            FROZEN_PROBE.weight.copy_(torch.linspace(2.0, -2.0, 12).reshape(3, 4))
+    if i == 3:  # another tensor of the same shape: read from its place on this call
+        WEIGHTED_CRITERION.weight = torch.tensor([0.2, 1.0, 1.0, 4.0])
+
+
 def _closure_scale():
     scale = 1.0
 
@@ -954,6 +986,7 @@ SCENARIOS: dict[str, dict] = {
     # Float arguments of the step are graph inputs: one compilation while they change every call.
     "float_argument_mixup": dict(step=mixup_argument_step, arguments=lambda i: ([0.7, 0.2, 0.9, 0.4, 0.6][i],)),
     "float_argument_ema_teacher": dict(model_fn=StudentTeacher, step=ema_teacher_step, arguments=_momentum_schedule),
+    "global_tensor_constants": dict(step=global_tensors_step, between=change_global_tensors),
     "lookahead_attribute_count_adamw": dict(
         optimizer_fn=lambda ps: AttributeCountedLookahead(torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)), steps=5
     ),
