@@ -1220,11 +1220,14 @@ def trace_step(
                 f"the step computes with a tensor it was not handed (a global, a closure's or another object's "
                 f"tensor) at {_user_frame(e)}: {str(e).split('Found in ')[-1].splitlines()[0]}\n"
                 f"  spmd.compile makes graph inputs of the step's tensor arguments (this rank's batch), the model's "
-                f"parameters and buffers and the optimizer's state only; a tensor from elsewhere would be baked "
-                f"into the graph and never updated\n"
+                f"parameters and buffers, the optimizer's state, and the tensors that need no gradient held by a "
+                f"global, a closure variable or a default argument of the step's code, or by a module held there "
+                f"(`criterion = nn.CrossEntropyLoss(weight=w)`); this one is held elsewhere (in a list, an "
+                f"object's attribute) or needs a gradient, and would be baked into the graph and never updated\n"
                 f"  fix: register it on the model (`model.register_buffer(name, tensor)`: replicated, read and "
-                f"written every step), or move the code that uses it out of the compiled step (e.g. "
-                f"`ema.update_parameters(model)` after the call)"
+                f"written every step; a learnable one as a parameter), hold it in a global the step reads, or "
+                f"move the code that uses it out of the compiled step (e.g. `ema.update_parameters(model)` after "
+                f"the call)"
             ) from e
         if optimizer is not None and _raised_in_optimizer(e):
             where = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}.step()"

@@ -1082,6 +1082,15 @@ def run_bad_batches(rank: int, world: int) -> dict:
     results["different_float_arguments"] = _refusal(lambda: step(model, optimizer, *x_y, [1.0, 2.0][rank]))
     # An argument whose repr names its address (different in each process) is the same value.
     step(model, optimizer, *x_y, 1.0, _Options())
+    # A tensor read from a global is a replicated input: ranks holding different values are refused,
+    # also when they agreed on the call that compiled and one changes it in place later.
+    step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(global_tensors_step)
+    change_global_tensors(0, None)
+    step(model, optimizer, *x_y)
+    if rank == 1:
+        CLASS_WEIGHTS[0] = 3.0
+    results["different_global_tensors"] = _refusal(lambda: step(model, optimizer, *x_y))
+    change_global_tensors(0, None)
     # An LR scheduler stepped on rank 0 only (`if rank == 0:` around logging and scheduling, or
     # ReduceLROnPlateau fed each rank's own metric): the ranks would update the same parameters with
     # different learning rates, silently. Refused on every rank, and the parameters are untouched.

@@ -844,3 +844,60 @@ def test_an_attribute_set_on_a_torch_optimizer_is_guarded(fake_mesh):
     with pytest.warns(UserWarning, match=r"attribute loss_scale of the AdamW optimizer == 1.0 \(now 0.0\)"):
         step(model, optimizer, x)
     assert sum(len(v) for v in step.cache.values()) == 2
+
+
+LOSS_WEIGHTS = torch.ones(4)
+PENALTY = nn.Linear(4, 2).requires_grad_(False)  # a frozen module a loss term runs, not the model's
+
+
+def _global_tensors_step(model, optimizer, x):
+    out = model(x)
+    return cases.update((out.square() * LOSS_WEIGHTS).mean() + PENALTY(out).square().mean(), optimizer)
+
+
+def test_tensors_read_from_globals_are_graph_inputs(fake_mesh):
+    """A tensor a global holds, and a frozen module's parameters there, are replicated graph inputs
+    read from their place on every call (they were a TraceError): changed in place or replaced by a
+    tensor of the same shape, one graph; another shape compiles again. Values: tests/loops.py's
+    global_tensor_constants compares them with one device on 2 gloo ranks."""
+    global LOSS_WEIGHTS
+    model, optimizer, step, x = _compiled(fake_mesh, _global_tensors_step)
+    saved = LOSS_WEIGHTS
+    try:
+        step(model, optimizer, x)
+        roles = [r for r in step.last.traced.inputs if r.kind == "constant"]
+        assert [r.key for r in roles] == [
+            "global LOSS_WEIGHTS of test_guards", "parameter weight of global PENALTY of test_guards",
+            "parameter bias of global PENALTY of test_guards",
+        ]
+        LOSS_WEIGHTS.mul_(2.0)
+        step(model, optimizer, x)
+        LOSS_WEIGHTS = torch.full((4,), 0.5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no recompilation warning
+            step(model, optimizer, x)
+        assert sum(len(v) for v in step.cache.values()) == 1
+        assert step._binding.local_inputs([x])[-3] is LOSS_WEIGHTS  # the new tensor is the input
+        LOSS_WEIGHTS = torch.ones(1)  # broadcasts too, another shape: another graph
+        step(model, optimizer, x)
+        assert sum(len(v) for v in step.cache.values()) == 2
+    finally:
+        LOSS_WEIGHTS = saved
+
+
+def _assigning_step(model, optimizer, x):
+    global LOSS_WEIGHTS
+    loss = cases.update((model(x).square() * LOSS_WEIGHTS).mean(), optimizer)
+    LOSS_WEIGHTS = LOSS_WEIGHTS * 0.9
+    return loss
+
+
+def test_a_step_assigning_a_global_tensor_it_reads_is_refused(fake_mesh):
+    """The graph takes the global's tensor as an input; a new tensor assigned to it would exist only in
+    the trace. Refused, and the global keeps its tensor."""
+    model, optimizer, step, x = _compiled(fake_mesh, _assigning_step)
+    before = LOSS_WEIGHTS
+    with pytest.raises(spmd.TraceError, match=r"assigns a new tensor to global LOSS_WEIGHTS of test_guards") as info:
+        step(model, optimizer, x)
+    assert "update it in place" in str(info.value)
+    assert LOSS_WEIGHTS is before

@@ -165,6 +165,9 @@ def test_refused_batches():
         floats = res["different_float_arguments"]
         assert floats.startswith("BatchError: the ranks pass different float arguments"), floats
         assert "argument scale: rank 0 1.0, rank 1 2.0" in floats, floats
+        tensors = res["different_global_tensors"]
+        assert tensors.startswith("BatchError: the ranks hold different values of tensors the step reads"), tensors
+        assert "buffer weight of global WEIGHTED_CRITERION of loops: values differ between rank 0 | rank 1" in tensors, tensors
         lr = res["different_lr"]
         assert lr.startswith("DivergenceError: the ranks' optimizers have different hyperparameters"), lr
         assert "param_groups[0]['lr']: rank 0 0.025, rank 1 0.05" in lr and "step the LR scheduler on every rank" in lr
