@@ -551,6 +551,7 @@ def _is_library(code: types.CodeType) -> bool:
     return _is_library_path(code.co_filename)
 
 
+@functools.lru_cache(maxsize=4096)  # a few files' paths, read for every module attribute and function
 def _is_library_path(path: str) -> bool:
     if path.startswith("<"):
         return True
@@ -560,17 +561,20 @@ def _is_library_path(path: str) -> bool:
     return "/site-packages/" in path or "/dist-packages/" in path or path.startswith(sys.prefix) or path.startswith(sys.base_prefix)
 
 
-def _loads(code: types.CodeType) -> Iterator[tuple[str, str]]:
+@functools.lru_cache(maxsize=4096)  # code objects are immutable; reading the bytecode is the cost
+def _loads(code: types.CodeType) -> tuple[tuple[str, str], ...]:
     """("global" | "cell", name) for each name ``code`` and its nested code objects load."""
+    found = []
     stack = [code]
     while stack:
         c = stack.pop()
         for ins in dis.get_instructions(c):
             if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
-                yield "global", ins.argval
+                found.append(("global", ins.argval))
             elif ins.opname in ("LOAD_DEREF", "LOAD_CLASSDEREF"):
-                yield "cell", ins.argval
+                found.append(("cell", ins.argval))
         stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return tuple(found)
 
 
 def _loaded_values(fn: types.FunctionType) -> Iterator[tuple[str, str, Any, Any, Callable[[], Any]]]:
@@ -794,15 +798,19 @@ def tensor_constants(functions: list[Callable], model: nn.Module, depth: int = F
     there that is not one of ``model``'s (by dotted name from it). Tensors of ``model`` are its
     inputs already and are left out, as are tensors that need a gradient (the step would train
     them: a graph has no place to put it)."""
-    own = {id(m) for m in model.modules()}
-    own |= {id(t) for t in itertools.chain(model.parameters(), model.buffers())}
     found: list[TensorConstant] = []
     seen: set = set()
+    own: Optional[set] = None  # the model's modules and tensors, gathered at the first candidate
     for fn in _user_functions(functions, depth):
         for kind, name, key, value, slot in _loaded_values(fn):
-            if key in seen or id(value) in own:
+            if key in seen or not isinstance(value, (torch.Tensor, nn.Module)):
                 continue
             seen.add(key)
+            if own is None:
+                own = {id(m) for m in model.modules()}
+                own |= {id(t) for t in itertools.chain(model.parameters(), model.buffers())}
+            if id(value) in own:
+                continue
             label = _variable_label(kind, name, fn)
             if _liftable(value):
                 found.append(TensorConstant(label, slot, slot.write))
@@ -956,9 +964,10 @@ def forward_functions(model: nn.Module) -> list[Callable]:
         if fn is not None:
             found.setdefault(id(getattr(fn, "__func__", fn)), fn)
         for name, value in vars(module).items():
-            if name != "forward" and not isinstance(value, (nn.Module, torch.Tensor)):
-                for held in _callable_code(value):
-                    found.setdefault(id(getattr(held, "__func__", held)), held)
+            if name in _MODULE_OWN or type(value) in _SCALAR_TYPES or isinstance(value, (nn.Module, torch.Tensor)):
+                continue  # nn.Module's bookkeeping (hook dicts, `training`, `forward`), numbers, submodules
+            for held in _callable_code(value):
+                found.setdefault(id(getattr(held, "__func__", held)), held)
     return list(found.values())
 
 
