@@ -794,10 +794,12 @@ def _liftable(value: Any) -> bool:
 def tensor_constants(functions: list[Callable], model: nn.Module, depth: int = FOLLOW_DEPTH) -> list[TensorConstant]:
     """The :class:`TensorConstant` places the user's ``functions`` (followed as :func:`code_reads`
     follows them) read: each global, closure variable or default argument value holding a tensor
-    that needs no gradient (:func:`_liftable`), and each such parameter and buffer of a module held
-    there that is not one of ``model``'s (by dotted name from it). Tensors of ``model`` are its
-    inputs already and are left out, as are tensors that need a gradient (the step would train
-    them: a graph has no place to put it)."""
+    that needs no gradient (:func:`_liftable`), each such parameter and buffer of a module held
+    there that is not one of ``model``'s (by dotted name from it), and each such tensor held as a
+    plain attribute of a settings object there (:func:`settings_variables`, the object a method step
+    belongs to included) or of one of ``model``'s modules (not a parameter or buffer). Tensors of
+    ``model`` are its inputs already and are left out, as are tensors that need a gradient (the step
+    would train them: a graph has no place to put it)."""
     found: list[TensorConstant] = []
     seen: set = set()
     own: Optional[set] = None  # the model's modules and tensors, gathered at the first candidate
@@ -823,7 +825,36 @@ def tensor_constants(functions: list[Callable], model: nn.Module, depth: int = F
                     if id(tensor) not in own and _liftable(tensor):
                         read, write = _module_tensor_slot(slot, dotted)
                         found.append(TensorConstant(f"{what} {dotted} of {label}", read, write))
+    # Tensors held as plain attributes: of the settings objects those variables hold (`args.class_weights`)
+    # and of the object a method step belongs to (a trainer's `self.class_weights`), and of the model's
+    # own modules (`self.scale = torch.ones(d)` in `__init__`, not registered as a buffer).
+    held = []
+    objects = [(label, obj, reader) for label, obj, reader in settings_variables(functions, depth) if not isinstance(obj, nn.Module)]
+    for level in range(_NESTED_DEPTH + 1):  # and the settings objects they hold, as record_reads follows them
+        nested = []
+        for label, obj, reader in objects:
+            for name, value in list(getattr(obj, "__dict__", {}).items()):
+                if _liftable(value):
+                    held.append((f"attribute {name} of {label}", obj, reader, name))
+                elif level < _NESTED_DEPTH and is_settings_object(value):
+                    nested.append((f"{name} of {label}", value, _attribute_reader(reader, name)))
+        objects = nested
+    for fqn, module in model.named_modules():
+        place = f"the model's module {fqn}" if fqn else "the model"
+        held += [(f"attribute {name} of {place}", module, lambda m=module: m, name)
+                 for name, value in vars(module).items() if name not in _MODULE_OWN and _liftable(value)]
+    if held and own is None:
+        own = {id(t) for t in itertools.chain(model.parameters(), model.buffers())}
+    for label, obj, reader, name in held:
+        if id(getattr(obj, name)) not in own:
+            found.append(TensorConstant(label, _attribute_reader(reader, name), _attribute_writer(reader, name)))
     return found
+
+
+def _attribute_writer(holder: Callable[[], Any], name: str) -> Callable[[Any], None]:
+    """A writer of plain attribute ``name`` of what ``holder()`` returns (``object.__setattr__``: a
+    frozen dataclass's or a module's own ``__setattr__`` is not run)."""
+    return lambda value: object.__setattr__(holder(), name, value)
 
 
 def _module_tensor_slot(holder: Callable[[], Any], dotted: str) -> tuple[Callable[[], Any], Callable[[Any], None]]:

@@ -901,3 +901,40 @@ def test_a_step_assigning_a_global_tensor_it_reads_is_refused(fake_mesh):
         step(model, optimizer, x)
     assert "update it in place" in str(info.value)
     assert LOSS_WEIGHTS is before
+
+
+class _ScaledNet(Net):
+    """A tensor kept as a plain attribute (``self.gain = ...`` in ``__init__``, not a registered buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = torch.ones(8)
+
+    def forward(self, x):
+        return super().forward(x * self.gain)
+
+
+class _Trainer:
+    def __init__(self):
+        self.args = types.SimpleNamespace(weights=torch.ones(2))
+
+    def train_step(self, model, optimizer, x):
+        return cases.update((model(x).square() * self.args.weights.sum()).mean(), optimizer)
+
+
+def test_tensors_held_as_attributes_are_graph_inputs(fake_mesh):
+    """A tensor held as a plain attribute of one of the model's modules, and one of a settings object
+    the object a method step belongs to holds (``self.args.weights``), are graph inputs (they were a
+    TraceError): one graph while they change in place."""
+    model, optimizer, step, x = _compiled(fake_mesh, _step, _ScaledNet)
+    step(model, optimizer, x)
+    model.gain.mul_(2.0)
+    step(model, optimizer, x)
+    assert [r.key for r in step.last.traced.inputs if r.kind == "constant"] == ["attribute gain of the model"]
+    trainer = _Trainer()
+    model, optimizer, step, x = _compiled(fake_mesh, trainer.train_step)
+    step(model, optimizer, x)
+    trainer.args.weights.fill_(3.0)
+    step(model, optimizer, x)
+    assert [r.key for r in step.last.traced.inputs if r.kind == "constant"] == ["attribute weights of args of the _Trainer object of _Trainer.train_step"]
+    assert sum(len(v) for v in step.cache.values()) == 1
