@@ -914,7 +914,7 @@ class _ScaledNet(Net):
         return super().forward(x * self.gain)
 
 
-class _Trainer:
+class _ArgsTrainer:
     def __init__(self):
         self.args = types.SimpleNamespace(weights=torch.ones(2))
 
@@ -931,10 +931,10 @@ def test_tensors_held_as_attributes_are_graph_inputs(fake_mesh):
     model.gain.mul_(2.0)
     step(model, optimizer, x)
     assert [r.key for r in step.last.traced.inputs if r.kind == "constant"] == ["attribute gain of the model"]
-    trainer = _Trainer()
+    trainer = _ArgsTrainer()
     model, optimizer, step, x = _compiled(fake_mesh, trainer.train_step)
     step(model, optimizer, x)
     trainer.args.weights.fill_(3.0)
     step(model, optimizer, x)
-    assert [r.key for r in step.last.traced.inputs if r.kind == "constant"] == ["attribute weights of args of the _Trainer object of _Trainer.train_step"]
+    assert [r.key for r in step.last.traced.inputs if r.kind == "constant"] == ["attribute weights of args of the _ArgsTrainer object of _ArgsTrainer.train_step"]
     assert sum(len(v) for v in step.cache.values()) == 1
