@@ -797,13 +797,17 @@ def tensor_constants(functions: list[Callable], model: nn.Module, depth: int = F
     that needs no gradient (:func:`_liftable`), each such parameter and buffer of a module held
     there that is not one of ``model``'s (by dotted name from it), and each such tensor held as a
     plain attribute of a settings object there (:func:`settings_variables`, the object a method step
-    belongs to included) or of one of ``model``'s modules (not a parameter or buffer). Tensors of
-    ``model`` are its inputs already and are left out, as are tensors that need a gradient (the step
-    would train them: a graph has no place to put it)."""
+    belongs to included) or of one of ``model``'s modules (not a parameter or buffer), where the
+    followed code names the attribute (as :func:`class_attribute_reads` finds class attributes: an
+    attribute no code reads is not an input, and its values are not compared across ranks). Tensors
+    of ``model`` are its inputs already and are left out, as are tensors that need a gradient (the
+    step would train them: a graph has no place to put it)."""
     found: list[TensorConstant] = []
     seen: set = set()
     own: Optional[set] = None  # the model's modules and tensors, gathered at the first candidate
-    for fn in _user_functions(functions, depth):
+    followed = list(_user_functions(functions, depth))
+    names = set(itertools.chain.from_iterable(_attribute_names(fn.__code__) for fn in followed))
+    for fn in followed:
         for kind, name, key, value, slot in _loaded_values(fn):
             if key in seen or not isinstance(value, (torch.Tensor, nn.Module)):
                 continue
@@ -834,7 +838,7 @@ def tensor_constants(functions: list[Callable], model: nn.Module, depth: int = F
         nested = []
         for label, obj, reader in objects:
             for name, value in list(getattr(obj, "__dict__", {}).items()):
-                if _liftable(value):
+                if name in names and _liftable(value):
                     held.append((f"attribute {name} of {label}", obj, reader, name))
                 elif level < _NESTED_DEPTH and is_settings_object(value):
                     nested.append((f"{name} of {label}", value, _attribute_reader(reader, name)))
@@ -842,7 +846,7 @@ def tensor_constants(functions: list[Callable], model: nn.Module, depth: int = F
     for fqn, module in model.named_modules():
         place = f"the model's module {fqn}" if fqn else "the model"
         held += [(f"attribute {name} of {place}", module, lambda m=module: m, name)
-                 for name, value in vars(module).items() if name not in _MODULE_OWN and _liftable(value)]
+                 for name, value in vars(module).items() if name in names and name not in _MODULE_OWN and _liftable(value)]
     if held and own is None:
         own = {id(t) for t in itertools.chain(model.parameters(), model.buffers())}
     for label, obj, reader, name in held:
