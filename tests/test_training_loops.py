@@ -23,7 +23,7 @@ TP = CLIP + ["cosine", "train_eval", "muon_fp32", "torch_compiled_model", "load_
 TWO_D = ["clip_grad_norm", "grads_through_module"]
 # Under the default lowering: Inductor would compile float hyperparameters in as constants
 # (spmd_expand/tensorify.py); every one of these changes one between calls.
-INDUCTOR = ["lr_set_directly_sgd", "step_lr", "one_cycle_adam_foreach", "betas_weight_decay_eps", "momentum", "cosine", "bf16_adamw_cosine", "float_argument_mixup"]
+INDUCTOR = ["lr_set_directly_sgd", "step_lr", "one_cycle_adam_foreach", "betas_weight_decay_eps", "momentum", "cosine", "bf16_adamw_cosine", "float_argument_mixup", "global_tensor_constants"]
 INDUCTOR_FSDP = ["step_lr", "one_cycle_sgd"]
 
 # Compilations per loop: AdamW's lazy state is created before tracing, so a loop compiles once even
