@@ -35,10 +35,9 @@ from .passes import resolve_passes
 from .pipeline import Override, StepArtifacts, compile_step
 from .rng import generator_state
 from .plans import Plan, ResolvedPlan, resolve_plan
-from .python_values import argument_key
+from .python_values import TensorConstant, argument_key, liftable
 from .spec import AS_PRODUCED, replicate
 from .state import adopt_replaced_parameters, broadcast_materialized_state, check_optimizer_params, distribute_state, refuse_eager_calls, unwrapped
-from .python_values import TensorConstant
 from .trace import (
     FloatArgument, HyperParameter, InputRole, TensorSpec, TracedStep, argument_labels, float_arguments, hyperparameters_of,
     step_tensor_constants,
@@ -112,7 +111,7 @@ class _Binding:
             out[index] = batch_leaves[leaf]
         for index, constant, meta in self.tensor_constants:
             tensor = constant.read()
-            if not isinstance(tensor, torch.Tensor) or tensor.requires_grad or (tensor.shape, tensor.dtype, tensor.device) != meta:
+            if not liftable(tensor) or (tensor.shape, tensor.dtype, tensor.device) != meta:
                 raise _Stale
             out[index] = tensor
         for index, param, placements, shape in self.gradients:

@@ -89,6 +89,7 @@ __all__ = [
     "record_reads",
     "settings_variables",
     "TensorConstant",
+    "liftable",
     "tensor_constants",
 ]
 
@@ -784,17 +785,21 @@ class TensorConstant:
     write: Callable[[Any], None]
 
 
-def _liftable(value: Any) -> bool:
+def liftable(value: Any) -> bool:
     """A tensor a graph can take as a replicated input in place of the step reading it: a plain
     tensor (not a DTensor or another subclass: a ``Parameter`` is one only if it needs no gradient)
-    that needs no gradient."""
-    return isinstance(value, torch.Tensor) and type(value) in (torch.Tensor, nn.Parameter) and not value.requires_grad
+    that needs no gradient, dense and contiguous (the step is traced for a contiguous input of its
+    shape, as for a batch tensor)."""
+    return (
+        isinstance(value, torch.Tensor) and type(value) in (torch.Tensor, nn.Parameter) and not value.requires_grad
+        and value.layout == torch.strided and value.is_contiguous()
+    )
 
 
 def tensor_constants(functions: list[Callable], model: nn.Module, depth: int = FOLLOW_DEPTH) -> list[TensorConstant]:
     """The :class:`TensorConstant` places the user's ``functions`` (followed as :func:`code_reads`
     follows them) read: each global, closure variable or default argument value holding a tensor
-    that needs no gradient (:func:`_liftable`), each such parameter and buffer of a module held
+    that needs no gradient (:func:`liftable`), each such parameter and buffer of a module held
     there that is not one of ``model``'s (by dotted name from it), and each such tensor held as a
     plain attribute of a settings object there (:func:`settings_variables`, the object a method step
     belongs to included) or of one of ``model``'s modules (not a parameter or buffer), where the
@@ -818,7 +823,7 @@ def tensor_constants(functions: list[Callable], model: nn.Module, depth: int = F
             if id(value) in own:
                 continue
             label = _variable_label(kind, name, fn)
-            if _liftable(value):
+            if liftable(value):
                 found.append(TensorConstant(label, slot, slot.write))
             elif isinstance(value, nn.Module):
                 tensors = itertools.chain(
@@ -826,7 +831,7 @@ def tensor_constants(functions: list[Callable], model: nn.Module, depth: int = F
                     (("buffer", n, t) for n, t in value.named_buffers(remove_duplicate=False)),
                 )
                 for what, dotted, tensor in tensors:
-                    if id(tensor) not in own and _liftable(tensor):
+                    if id(tensor) not in own and liftable(tensor):
                         read, write = _module_tensor_slot(slot, dotted)
                         found.append(TensorConstant(f"{what} {dotted} of {label}", read, write))
     # Tensors held as plain attributes: of the settings objects those variables hold (`args.class_weights`)
@@ -838,7 +843,7 @@ def tensor_constants(functions: list[Callable], model: nn.Module, depth: int = F
         nested = []
         for label, obj, reader in objects:
             for name, value in list(getattr(obj, "__dict__", {}).items()):
-                if name in names and _liftable(value):
+                if name in names and liftable(value):
                     held.append((f"attribute {name} of {label}", obj, reader, name))
                 elif level < _NESTED_DEPTH and is_settings_object(value):
                     nested.append((f"{name} of {label}", value, _attribute_reader(reader, name)))
@@ -846,7 +851,7 @@ def tensor_constants(functions: list[Callable], model: nn.Module, depth: int = F
     for fqn, module in model.named_modules():
         place = f"the model's module {fqn}" if fqn else "the model"
         held += [(f"attribute {name} of {place}", module, lambda m=module: m, name)
-                 for name, value in vars(module).items() if name in names and name not in _MODULE_OWN and _liftable(value)]
+                 for name, value in vars(module).items() if name in names and name not in _MODULE_OWN and liftable(value)]
     if held and own is None:
         own = {id(t) for t in itertools.chain(model.parameters(), model.buffers())}
     for label, obj, reader, name in held:

@@ -65,6 +65,7 @@ from .python_values import (
     RandomStateUse,
     StateChange,
     StateWatch,
+    TensorConstant,
     code_prints,
     code_reads,
     called_methods,
@@ -76,7 +77,6 @@ from .python_values import (
     settings_variables,
     tensor_constants,
     user_optimizers,
-    TensorConstant,
 )
 from .errors import TraceError, in_torch_or_spmd_expand, node_error, user_source_line
 from .forms import equal_forms_patched, equal_valued_form
@@ -1224,7 +1224,7 @@ def trace_step(
                 f"global, a closure variable or a default argument of the step's code, or by a module held there "
                 f"(`criterion = nn.CrossEntropyLoss(weight=w)`) or as a plain attribute of a settings object there, "
                 f"of the object a method step belongs to or of a module of the model; this one is held elsewhere "
-                f"(in a list or dict, deeper in an object) or needs a gradient, and would be baked into the graph "
+                f"(in a list or dict, deeper in an object), needs a gradient or is not contiguous, and would be baked into the graph "
                 f"and never updated\n"
                 f"  fix: register it on the model (`model.register_buffer(name, tensor)`: replicated, read and "
                 f"written every step; a learnable one as a parameter), hold it in a global the step reads, or "

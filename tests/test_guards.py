@@ -881,6 +881,9 @@ def test_tensors_read_from_globals_are_graph_inputs(fake_mesh):
         LOSS_WEIGHTS = torch.ones(1)  # broadcasts too, another shape: another graph
         step(model, optimizer, x)
         assert sum(len(v) for v in step.cache.values()) == 2
+        LOSS_WEIGHTS = torch.ones(4, 2)[:, 0]  # not contiguous: the graph takes contiguous inputs
+        with pytest.raises(spmd.TraceError, match=r"(?s)computes with a tensor it was not handed .* or is not contiguous"):
+            step(model, optimizer, x)
     finally:
         LOSS_WEIGHTS = saved
 
