@@ -1227,7 +1227,8 @@ def trace_step(
                 f"(in a list or dict, deeper in an object), needs a gradient or is not contiguous, and would be baked into the graph "
                 f"and never updated\n"
                 f"  fix: register it on the model (`model.register_buffer(name, tensor)`: replicated, read and "
-                f"written every step; a learnable one as a parameter), hold it in a global the step reads, or "
+                f"written every step; a learnable one as a parameter), hold it in a global the step reads (a "
+                f"contiguous one: `.contiguous()`), or "
                 f"move the code that uses it out of the compiled step (e.g. `ema.update_parameters(model)` after "
                 f"the call)"
             ) from e
