@@ -772,9 +772,10 @@ def settings_variables(functions: list[Callable], depth: int = FOLLOW_DEPTH) -> 
 @dataclass(frozen=True)
 class TensorConstant:
     """A tensor the step reads that is neither its argument nor the model's or the optimizer's: a
-    global or closure variable holding one (``CLASS_WEIGHTS``), or a parameter or buffer of a module
+    global or closure variable holding one (``CLASS_WEIGHTS``), a parameter or buffer of a module
     held there that is not the model's (``criterion = nn.CrossEntropyLoss(weight=w)``, a frozen
-    feature extractor of a perceptual loss). A graph input (replicated), read on every call.
+    feature extractor of a perceptual loss), or a plain attribute of a settings object there or of a
+    module of the model (:func:`tensor_constants`). A graph input (replicated), read on every call.
 
     ``label`` names the place (``"buffer weight of global criterion of train"``); ``read()`` returns
     what it holds now (``_MISSING`` when gone); ``write(value)`` puts a value there (a fake tensor
@@ -857,7 +858,12 @@ def tensor_constants(functions: list[Callable], model: nn.Module, depth: int = F
     for label, obj, reader, name in held:
         if id(getattr(obj, name)) not in own:
             found.append(TensorConstant(label, _attribute_reader(reader, name), _attribute_writer(reader, name)))
-    return found
+    # Labels name graph inputs: one place each (a second place of the same name stays unlifted, and a
+    # trace reading from it fails with the TraceError rather than taking the first place's tensor).
+    unique: dict[str, TensorConstant] = {}
+    for constant in found:
+        unique.setdefault(constant.label, constant)
+    return list(unique.values())
 
 
 def _attribute_writer(holder: Callable[[], Any], name: str) -> Callable[[Any], None]:
