@@ -800,8 +800,9 @@ def liftable(value: Any) -> bool:
 def tensor_constants(functions: list[Callable], model: nn.Module, depth: int = FOLLOW_DEPTH) -> list[TensorConstant]:
     """The :class:`TensorConstant` places the user's ``functions`` (followed as :func:`code_reads`
     follows them) read: each global, closure variable or default argument value holding a tensor
-    that needs no gradient (:func:`liftable`), each such parameter and buffer of a module held
-    there that is not one of ``model``'s (by dotted name from it), and each such tensor held as a
+    that needs no gradient (:func:`liftable`) or a list or dict of them (each element), each such
+    parameter and buffer of a module held there that is not one of ``model``'s (by dotted name from
+    it), and each such tensor held as a
     plain attribute of a settings object there (:func:`settings_variables`, the object a method step
     belongs to included) or of one of ``model``'s modules (not a parameter or buffer), where the
     followed code names the attribute (as :func:`class_attribute_reads` finds class attributes: an
@@ -815,7 +816,7 @@ def tensor_constants(functions: list[Callable], model: nn.Module, depth: int = F
     names = set(itertools.chain.from_iterable(_attribute_names(fn.__code__) for fn in followed))
     for fn in followed:
         for kind, name, key, value, slot in _loaded_values(fn):
-            if key in seen or not isinstance(value, (torch.Tensor, nn.Module)):
+            if key in seen or not isinstance(value, (torch.Tensor, nn.Module, list, dict)):
                 continue
             seen.add(key)
             if own is None:
@@ -826,6 +827,10 @@ def tensor_constants(functions: list[Callable], model: nn.Module, depth: int = F
             label = _variable_label(kind, name, fn)
             if liftable(value):
                 found.append(TensorConstant(label, slot, slot.write))
+            elif type(value) in (list, dict):  # (a tuple cannot take a stand-in and keep its identity)
+                for k, element in value.items() if type(value) is dict else enumerate(value):
+                    if id(element) not in own and liftable(element):
+                        found.append(TensorConstant(f"{label}[{k!r}]", _element_reader(slot, k), _element_writer(slot, k)))
             elif isinstance(value, nn.Module):
                 tensors = itertools.chain(
                     (("parameter", n, t) for n, t in value.named_parameters(remove_duplicate=False)),
@@ -864,6 +869,15 @@ def tensor_constants(functions: list[Callable], model: nn.Module, depth: int = F
     for constant in found:
         unique.setdefault(constant.label, constant)
     return list(unique.values())
+
+
+def _element_writer(holder: Callable[[], Any], key: Any) -> Callable[[Any], None]:
+    """A writer of ``holder()[key]`` (a list's or a dict's element)."""
+
+    def write(value: Any) -> None:
+        holder()[key] = value
+
+    return write
 
 
 def _attribute_writer(holder: Callable[[], Any], name: str) -> Callable[[Any], None]:

@@ -848,10 +848,11 @@ def test_an_attribute_set_on_a_torch_optimizer_is_guarded(fake_mesh):
 
 LOSS_WEIGHTS = torch.ones(4)
 PENALTY = nn.Linear(4, 2).requires_grad_(False)  # a frozen module a loss term runs, not the model's
+TABLES = {"shift": torch.zeros(8)}
 
 
 def _global_tensors_step(model, optimizer, x):
-    out = model(x)
+    out = model(x - TABLES["shift"])
     return cases.update((out.square() * LOSS_WEIGHTS).mean() + PENALTY(out).square().mean(), optimizer)
 
 
@@ -867,9 +868,10 @@ def test_tensors_read_from_globals_are_graph_inputs(fake_mesh):
         step(model, optimizer, x)
         roles = [r for r in step.last.traced.inputs if r.kind == "constant"]
         assert [r.key for r in roles] == [
-            "global LOSS_WEIGHTS of test_guards", "parameter weight of global PENALTY of test_guards",
-            "parameter bias of global PENALTY of test_guards",
+            "global TABLES of test_guards['shift']", "global LOSS_WEIGHTS of test_guards",
+            "parameter weight of global PENALTY of test_guards", "parameter bias of global PENALTY of test_guards",
         ]
+        TABLES["shift"] = torch.full((8,), 0.5)  # another tensor in the dict: an input too
         LOSS_WEIGHTS.mul_(2.0)
         step(model, optimizer, x)
         LOSS_WEIGHTS = torch.full((4,), 0.5)
@@ -886,6 +888,7 @@ def test_tensors_read_from_globals_are_graph_inputs(fake_mesh):
             step(model, optimizer, x)
     finally:
         LOSS_WEIGHTS = saved
+        TABLES["shift"] = torch.zeros(8)
 
 
 def _assigning_step(model, optimizer, x):
