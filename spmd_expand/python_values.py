@@ -797,7 +797,9 @@ def liftable(value: Any) -> bool:
     )
 
 
-def tensor_constants(functions: list[Callable], model: nn.Module, depth: int = FOLLOW_DEPTH) -> list[TensorConstant]:
+def tensor_constants(
+    functions: list[Callable], model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, depth: int = FOLLOW_DEPTH
+) -> list[TensorConstant]:
     """The :class:`TensorConstant` places the user's ``functions`` (followed as :func:`code_reads`
     follows them) read: each global, closure variable or default argument value holding a tensor
     that needs no gradient (:func:`liftable`) or a list or dict of them (each element), each such
@@ -807,11 +809,17 @@ def tensor_constants(functions: list[Callable], model: nn.Module, depth: int = F
     belongs to included) or of one of ``model``'s modules (not a parameter or buffer), where the
     followed code names the attribute (as :func:`class_attribute_reads` finds class attributes: an
     attribute no code reads is not an input, and its values are not compared across ranks). Tensors
-    of ``model`` are its inputs already and are left out, as are tensors that need a gradient (the
-    step would train them: a graph has no place to put it)."""
+    of ``model`` and ``optimizer``'s state are inputs already and are left out, as are tensors that
+    need a gradient (the step would train them: a graph has no place to put it)."""
     found: list[TensorConstant] = []
     seen: set = set()
-    own: Optional[set] = None  # the model's modules and tensors, gathered at the first candidate
+    own: set = set()  # ids of the model's modules and tensors and the optimizer's states
+
+    def is_own(value: Any) -> bool:
+        if not own:  # gathered at the first candidate (most steps have none)
+            own.update(map(id, itertools.chain(model.modules(), model.parameters(), model.buffers())))
+            own.update(id(v) for _, state in (optimizer_state.items(optimizer) if optimizer is not None else ()) for v in state.values())
+        return id(value) in own
     followed = list(_user_functions(functions, depth))
     names = set(itertools.chain.from_iterable(_attribute_names(fn.__code__) for fn in followed))
     for fn in followed:
@@ -819,17 +827,14 @@ def tensor_constants(functions: list[Callable], model: nn.Module, depth: int = F
             if key in seen or not isinstance(value, (torch.Tensor, nn.Module, list, dict)):
                 continue
             seen.add(key)
-            if own is None:
-                own = {id(m) for m in model.modules()}
-                own |= {id(t) for t in itertools.chain(model.parameters(), model.buffers())}
-            if id(value) in own:
+            if is_own(value):
                 continue
             label = _variable_label(kind, name, fn)
             if liftable(value):
                 found.append(TensorConstant(label, slot, slot.write))
             elif type(value) in (list, dict):  # (a tuple cannot take a stand-in and keep its identity)
                 for k, element in value.items() if type(value) is dict else enumerate(value):
-                    if id(element) not in own and liftable(element):
+                    if liftable(element) and not is_own(element):
                         found.append(TensorConstant(f"{label}[{k!r}]", _element_reader(slot, k), _element_writer(slot, k)))
             elif isinstance(value, nn.Module):
                 tensors = itertools.chain(
@@ -837,7 +842,7 @@ def tensor_constants(functions: list[Callable], model: nn.Module, depth: int = F
                     (("buffer", n, t) for n, t in value.named_buffers(remove_duplicate=False)),
                 )
                 for what, dotted, tensor in tensors:
-                    if id(tensor) not in own and liftable(tensor):
+                    if liftable(tensor) and not is_own(tensor):
                         read, write = _module_tensor_slot(slot, dotted)
                         found.append(TensorConstant(f"{what} {dotted} of {label}", read, write))
     # Tensors held as plain attributes: of the settings objects those variables hold (`args.class_weights`)
@@ -858,10 +863,8 @@ def tensor_constants(functions: list[Callable], model: nn.Module, depth: int = F
         place = f"the model's module {fqn}" if fqn else "the model"
         held += [(f"attribute {name} of {place}", module, lambda m=module: m, name)
                  for name, value in vars(module).items() if name in names and name not in _MODULE_OWN and liftable(value)]
-    if held and own is None:
-        own = {id(t) for t in itertools.chain(model.parameters(), model.buffers())}
     for label, obj, reader, name in held:
-        if id(getattr(obj, name)) not in own:
+        if not is_own(getattr(obj, name)):
             found.append(TensorConstant(label, _attribute_reader(reader, name), _attribute_writer(reader, name)))
     # Labels name graph inputs: one place each (a second place of the same name stays unlifted, and a
     # trace reading from it fails with the TraceError rather than taking the first place's tensor).

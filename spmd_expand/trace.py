@@ -962,11 +962,9 @@ def step_functions(fn: Callable[..., Any], model: nn.Module, optimizer: Optional
 def step_tensor_constants(fn: Callable[..., Any], model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> list[TensorConstant]:
     """Where the step reads tensors that are neither its arguments nor the model's or the
     optimizer's (:func:`~spmd_expand.python_values.tensor_constants` over :func:`step_functions`):
-    graph inputs, read on every call. Optimizer state is never one (the optimizer's tensors are
-    inputs by their own roles)."""
+    graph inputs, read on every call."""
     functions, _, _ = step_functions(fn, model, optimizer)
-    state = {id(v) for _, st in (optimizer_state.items(optimizer) if optimizer is not None else ()) for v in st.values()}
-    return [c for c in tensor_constants(functions, model) if id(c.read()) not in state]
+    return tensor_constants(functions, model, optimizer)
 
 
 @contextlib.contextmanager
