@@ -98,6 +98,14 @@ def _uneven_over_mesh_dims(spec: Any, mesh: DeviceMesh) -> bool:
     )
 
 
+# Ops whose output length is a tensor value, with the static-shape form of the same result.
+_DYNAMIC_SHAPE_FIXES = {
+    aten.bincount.default: "count with a static shape: `F.one_hot(y, num_classes).sum(0)`, or "
+    "`torch.zeros(num_classes).index_add_(0, y, torch.ones(len(y)))` (both are sums over the batch, "
+    "which every plan reduces across ranks); `minlength=` does not fix the length (more classes than it "
+    "make it longer)",
+}
+
 class _Propagator:
     def __init__(self, traced, mesh, input_placements, output_placements, grad_placements, compute_placements):
         self.traced = traced
@@ -350,8 +358,8 @@ class _Propagator:
                     f"{op}'s output shape depends on tensor values (a boolean mask, nonzero, unique, "
                     f"masked_select): no plan can split a shape that is only known at run time",
                     placements=[s.placements for s in current if s is not None],
-                    fix="keep shapes static: multiply by the mask or use torch.where instead of indexing with it "
-                    "(e.g. `(out * (out > 0)).sum()` for `out[out > 0].sum()`)",
+                    fix=_DYNAMIC_SHAPE_FIXES.get(op, "keep shapes static: multiply by the mask or use torch.where "
+                    "instead of indexing with it (e.g. `(out * (out > 0)).sum()` for `out[out > 0].sum()`)"),
                 ) from e
             raise node_error(
                 PlacementError,

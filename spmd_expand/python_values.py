@@ -257,9 +257,14 @@ class PythonGuards:
                     )
                 if isinstance(v.value, _FUNCTION_TYPES):
                     return f"the trace ran the function {v.description} == {v.value!r} (now {shown}); one graph is kept per function"
+                as_argument = (
+                    "pass it to the step as a float argument (`step(model, optimizer, x, y, beta)`: a graph input, "
+                    "one graph for every value), keep it in a "
+                    if isinstance(v.value, float) and isinstance(now, float) else "keep it in a "
+                )
                 return (
                     f"the trace read the Python value {v.description} == {v.value!r} (now {shown}), which the "
-                    f"graph bakes in. A value that changes every step recompiles every step: keep it in a "
+                    f"graph bakes in. A value that changes every step recompiles every step: {as_argument}"
                     f"tensor the step is handed (a buffer: model.register_buffer(name, torch.tensor(value)), "
                     f"updated in place with .fill_()), or an optimizer hyperparameter"
                 )

@@ -526,6 +526,26 @@ def test_value_dependent_shape_says_what_fixes_it(fake_mesh):
     assert "loss = out[out > 0].sum()" in msg and "torch.where" in msg and "choose a plan" not in msg
 
 
+def _class_count_step(model, optimizer, x):
+    out = model(x)
+    counts = torch.bincount(out.argmax(-1), minlength=4)  # class frequencies for a reweighted loss
+    loss = (out.square().mean(0) / (counts + 1)).sum()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def test_bincount_names_its_static_shape_form(fake_mesh):
+    """bincount's length is its largest value + 1 (``minlength`` only a lower bound): the fix is a count
+    with a static shape, not the boolean-mask advice."""
+    model = _mlp()
+    with pytest.raises(spmd.TraceError, match="depends on tensor values") as info:
+        ddp(fake_mesh, _class_count_step)(model, sgd(model), torch.randn(4, 8))
+    msg = str(info.value)
+    assert "aten.bincount" in msg and "F.one_hot(y, num_classes).sum(0)" in msg and "index_add_" in msg, msg
+    assert "out[out > 0]" not in msg
+
+
 def _all_reduce_step(model, optimizer, x):
     loss = model(x).square().mean()
     loss.backward()
