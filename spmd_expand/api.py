@@ -39,7 +39,8 @@ from .python_values import TensorConstant, argument_key, liftable
 from .spec import AS_PRODUCED, replicate
 from .state import adopt_replaced_parameters, broadcast_materialized_state, check_optimizer_params, distribute_state, refuse_eager_calls, unwrapped
 from .trace import (
-    FloatArgument, HyperParameter, InputRole, TensorSpec, TracedStep, argument_labels, float_arguments, hyperparameters_of,
+    FloatArgument, FloatConstant, HyperParameter, InputRole, TensorSpec, TracedStep, argument_labels, float_arguments, hyperparameters_of,
+    step_float_constants,
     step_tensor_constants,
 )
 from .watch import as_timedelta, set_group_timeouts
@@ -101,7 +102,7 @@ class _Binding:
     batch: list[tuple]  # (shape, dtype, device) of every batch tensor
     constants: tuple
     gradient_sync: bool
-    hyperparameters: list  # HyperParameter, then FloatArgument
+    hyperparameters: list  # HyperParameter, then FloatArgument, then FloatConstant
     # (input index, TensorConstant, (shape, dtype, device)): read from its place on every call
     tensor_constants: list = dataclasses.field(default_factory=list)
 
@@ -330,8 +331,13 @@ class CompiledStep:
                 self._float_inputs = True
                 raise
             names = ", ".join(fa.label for fa in failed.float_args)
+            step_name = getattr(self.fn, "__name__", "the step")
+            which = (
+                f"{step_name}'s float arguments" if all(isinstance(fa, FloatArgument) for fa in failed.float_args)
+                else f"the floats {step_name} takes and reads from globals"
+            )
             warnings.warn(
-                f"spmd.compile: {getattr(self.fn, '__name__', 'the step')}'s float arguments ({names}) are "
+                f"spmd.compile: {which} ({names}) are "
                 f"constants of its graph, not inputs: traced as inputs, the step failed ({first_line(failed.error)}). "
                 f"Each new value compiles again; where one changes every call, keep it a tensor "
                 f"(`torch.tensor(value)`, an argument like the batch) or compute it inside the step",
@@ -359,7 +365,9 @@ class CompiledStep:
                 attempted = self._state_attempted.setdefault(optimizer, set())
                 if initialize_optimizer_state(model, optimizer, attempted):
                     self._distribute_state(model, optimizer)
-            hyperparameters = [*hyperparameters_of(optimizer), *float_args]
+            # Floats the step reads from globals and closure variables are graph inputs too.
+            float_constants = step_float_constants(self.fn, model, optimizer) if self._float_inputs else []
+            hyperparameters = [*hyperparameters_of(optimizer), *float_args, *float_constants]
             values = [hp.read(optimizer, leaves) for hp in hyperparameters]
             selection = self._select(model, optimizer, batch_leaves, constants, hyperparameters, values)
             selected = selection.artifacts if selection else None
@@ -419,7 +427,10 @@ class CompiledStep:
             locals_ = binding.local_inputs(batch_leaves)
         except _Stale:
             return None
-        values = [hp.read(optimizer, leaves) for hp in binding.hyperparameters]
+        try:
+            values = [hp.read(optimizer, leaves) for hp in binding.hyperparameters]
+        except LookupError:  # a float input's place holds something else now (FloatConstant.read)
+            return None
         traced = binding.artifacts.traced
         if traced.guards.check(values) is not None or traced.python_guards.check() is not None:
             return None
@@ -460,8 +471,10 @@ class CompiledStep:
         taken = snapshot(model, optimizer)
         tensor_constants = step_tensor_constants(self.fn, model, optimizer)
         roles, specs, placements, locals_ = self._inputs(model, optimizer, batch_leaves, tensor_constants)
+        # Which places' floats are graph inputs (a graph traced with one as an input takes one more input).
+        lifted = tuple(f"{hp}=<float input>" for hp in hyperparameters if isinstance(hp, FloatConstant))
         key = cache_key(
-            self._ids, model, optimizer, hyperparameters, tuple(zip(roles, specs, placements)), constants,
+            self._ids, model, optimizer, hyperparameters, tuple(zip(roles, specs, placements)), constants + lifted,
             self.requires_gradient_sync,
         )
         compiled = self.cache.setdefault(key, [])
@@ -481,7 +494,16 @@ class CompiledStep:
                 last = sel.compiled[-1].traced
                 failed = last.guards.check(values)
                 arguments = [str(hp) for hp in last.hyperparameters if isinstance(hp, FloatArgument)]
-                if failed is not None and any(name in failed for name in arguments):
+                globals_read = [str(hp) for hp in last.hyperparameters if isinstance(hp, FloatConstant)]
+                if failed is not None and any(name in failed for name in globals_read):
+                    why = (
+                        f"the traced code assumed {failed}. A float the step reads from a global or a closure "
+                        f"variable and branches on or reads as a number (`torch.tensor(scale)`, `math.exp(scale)`, an "
+                        f"op's float setting such as `p=` of dropout or `label_smoothing=`) recompiles on every change; "
+                        f"where it changes every call, keep it in a tensor the step reads (a global "
+                        f"`SCALE = torch.tensor(1.0)` updated with `.fill_()`: a graph input too) and compute with that"
+                    )
+                elif failed is not None and any(name in failed for name in arguments):
                     why = (
                         f"the traced code assumed {failed}. A float argument that the step branches on or reads as "
                         f"a number (`torch.tensor(lam)`, `math.exp(lam)`, an op's float setting such as "
@@ -504,7 +526,7 @@ class CompiledStep:
             else:
                 self._note_new_constants(constants)
             self._note_batch_shapes(batch_leaves)
-            float_args = [hp for hp in hyperparameters if isinstance(hp, FloatArgument)]
+            float_args = [hp for hp in hyperparameters if isinstance(hp, (FloatArgument, FloatConstant))]
             try:
                 artifacts = self._compile(
                     args, kwargs, model, optimizer, sel.roles, sel.specs, sel.placements, sel.locals_ + values, float_args,

@@ -76,7 +76,7 @@ from .errors import BatchError, CollectiveError, DivergenceError, SpmdError, fir
 from .plans import ResolvedPlan
 from .python_values import MODULE_HOOKS, TENSOR_HOOKS, hooks
 from .rng import GENERATOR_FIX
-from .trace import FloatArgument, HyperParameter
+from .trace import FloatArgument, FloatConstant, HyperParameter
 from .watch import is_communication_failure
 
 __all__ = ["CallState", "ObjectIds", "Snapshot", "batch_problems", "cache_key", "check_batch", "initialize_optimizer_state", "mesh_group", "snapshot", "state_summary"]
@@ -726,6 +726,17 @@ def _different_values(hyperparameters: Sequence[Any], ranks: Sequence[int], valu
             f"  {hyperparameters[i]}: " + ", ".join(f"rank {rank} {v[i]!r}" for rank, v in zip(ranks, values))
             for i in differ
         )
+        if differ and all(isinstance(hyperparameters[i], (FloatArgument, FloatConstant)) for i in differ) and any(
+            isinstance(hyperparameters[i], FloatConstant) for i in differ
+        ):
+            return DivergenceError(
+                "the ranks hold different values of Python floats the step reads (graph inputs):\n" + shown + "\n"
+                "  a compiled step is one program over the global batch, and a float it reads is one of its values, "
+                "the same on every rank; the step did not run, nothing was updated\n"
+                "  fix: set it the same way on every rank (not under `if rank == 0:`, not from the rank or from a "
+                "rank's own batch: a value computed from the batch is computed inside the step, where the batch is "
+                "the global one)"
+            )
         if all(isinstance(hyperparameters[i], FloatArgument) for i in differ):
             return BatchError(
                 "the ranks pass different float arguments to the step:\n" + shown + "\n"

@@ -156,7 +156,8 @@ def _cacheable(example_inputs: Sequence[Any]):
 class InductorStep:
     """``gm`` compiled by Inductor (``compile_fx``), called like ``gm``.
 
-    Float inputs (the optimizer's hyperparameters, the step's float arguments) must stay inputs, and Inductor would compile them
+    Float inputs (the optimizer's hyperparameters, the step's float arguments, the floats it reads from
+    globals) must stay inputs, and Inductor would compile them
     in as constants (:mod:`spmd_expand.tensorify`). They are passed as 0-d float64 tensors where
     :func:`~spmd_expand.tensorify.tensorify_float_inputs` could rewrite their uses; otherwise they stay
     constants, and a call with other values compiles ``gm`` again for them (with a warning; the last
@@ -203,7 +204,7 @@ class InductorStep:
         if compiled is None:
             warnings.warn(
                 f"spmd.compile: the Inductor-compiled step holds float inputs {self.constants} (optimizer "
-                f"hyperparameters or float arguments of the step) as constants, and they changed to {list(key)}: compiling the step again "
+                f"hyperparameters, float arguments of the step or floats it reads from globals) as constants, and they changed to {list(key)}: compiling the step again "
                 f"for these values (spmd_expand.tensorify cannot pass them as tensors through "
                 f"{self.refused.format_node()[:200]}). lower=\"eager\" takes them as inputs",
                 stacklevel=2,

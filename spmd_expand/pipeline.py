@@ -241,8 +241,9 @@ def expand_step(
     states per the plan). ``timeout`` bounds the cross-rank check's wait (default: the store's). The
     returned artifacts have no runner yet. ``parameter_hooks``: run the parameters' gradient hooks in
     the trace (``spmd.compile``); False where eager autograd runs them on the gradients the graph
-    returns (the ``torch.compile`` backend). ``float_args``: the step's float arguments that are
-    graph inputs (:func:`~spmd_expand.trace.float_arguments`), after the optimizer's hyperparameters.
+    returns (the ``torch.compile`` backend). ``float_args``: the step's float arguments and the floats
+    it reads from globals that are graph inputs (:func:`~spmd_expand.trace.float_arguments`,
+    :func:`~spmd_expand.trace.step_float_constants`), after the optimizer's hyperparameters.
     ``tensor_constants``: the places of the tensors the step reads from elsewhere, whose inputs have
     ``constant`` roles (:func:`~spmd_expand.trace.step_tensor_constants`).
 

@@ -18,7 +18,9 @@ What is recorded:
 * **globals and closure variables**, by reading the code: the names the step function loads as
   globals or from closure cells (``LOAD_GLOBAL`` / ``LOAD_DEREF``), in its nested functions, in the
   Python functions it reaches that way, and in the ``forward`` of each module class, whose values are
-  such scalars; library code (torch, site-packages) is not followed;
+  such scalars; library code (torch, site-packages) is not followed. A ``float`` there that no
+  followed code assigns is a graph input instead (:func:`float_places`,
+  :class:`spmd_expand.trace.FloatConstant`), unless tracing with it as one failed;
 * **attributes of settings objects**, exactly those read: a HuggingFace ``config`` a module holds
   (``self.config.output_hidden_states``), an ``argparse.Namespace``, dataclass or ``SimpleNamespace``
   a global or closure variable holds (``cfg.label_smoothing``), the object a bound-method step
@@ -89,6 +91,7 @@ __all__ = [
     "record_reads",
     "settings_variables",
     "TensorConstant",
+    "float_places",
     "liftable",
     "tensor_constants",
 ]
@@ -877,6 +880,28 @@ def tensor_constants(
     for constant in found:
         unique.setdefault(constant.label, constant)
     return list(unique.values())
+
+
+def float_places(functions: list[Callable], depth: int = FOLLOW_DEPTH) -> list[tuple[str, Callable[[], Any]]]:
+    """(label, slot) of each global, closure variable and user module attribute holding a Python
+    ``float`` (not a bool or an int, not a numpy scalar) that the user's ``functions`` (followed as
+    :func:`code_reads` follows them) read and that no followed code assigns (``global SCALE; SCALE *= 0.9``
+    stays a guard, as its assignment is replayed after each call). The slot reads the place (call it)
+    and writes it (``slot.write``). Default argument values are left out (an argument the caller may
+    pass instead; a float argument is a graph input already)."""
+    followed = list(_user_functions(functions, depth))
+    assigned = {(kind, name) for fn in followed for kind, name, _ in _stores(fn)}
+    found: dict[str, Callable[[], Any]] = {}
+    seen: set = set()
+    for fn in followed:
+        for kind, name, key, value, slot in _loaded_values(fn):
+            if key in seen or type(value) is not float or kind == "default":
+                continue
+            seen.add(key)
+            if (("global" if kind == "global" else "cell"), name) in assigned:
+                continue
+            found.setdefault(_variable_label(kind, name, fn), slot)
+    return list(found.items())
 
 
 def _element_writer(holder: Callable[[], Any], key: Any) -> Callable[[Any], None]:

@@ -68,6 +68,7 @@ from .python_values import (
     TensorConstant,
     code_prints,
     code_reads,
+    float_places,
     called_methods,
     class_attribute_reads,
     code_writes,
@@ -86,6 +87,7 @@ from .plans import MixedPrecision, ParamCast
 
 __all__ = [
     "FloatArgument",
+    "FloatConstant",
     "HyperParameter",
     "HyperParameterGuards",
     "InputRole",
@@ -96,6 +98,7 @@ __all__ = [
     "float_arguments",
     "hyperparameters_of",
     "is_runtime_scalar",
+    "step_float_constants",
     "trace_step",
 ]
 
@@ -187,6 +190,37 @@ class FloatArgument:
     def name(self) -> str:
         """A name for graph dumps: ``arg.lam``."""
         return f"arg.{self.label}"
+
+
+@dataclass(frozen=True)
+class FloatConstant:
+    """A Python float the step's code reads from a global, a closure variable or a user module's
+    attribute (``loss * KL_WEIGHT``, ``F.leaky_relu(x, SLOPE)``, ``config.TEMPERATURE``): a weight a
+    curriculum or an annealing schedule changes between calls.
+
+    Like a float argument it is a graph input, traced as a ``SymFloat`` that stands in its place
+    (:func:`_floats_in_place`), so a new value needs no new graph; what the trace assumed about it is
+    a hyperparameter guard. Found by :func:`step_float_constants`; ``label`` names the place
+    (``global KL_WEIGHT of train``); ``place`` reads it (a ``python_values`` slot: call it; its
+    ``write`` puts a value there). A place that no longer holds a float takes the full path.
+    """
+
+    label: str
+    place: Callable[[], Any] = field(compare=False)
+
+    def read(self, optimizer: Optional[torch.optim.Optimizer], leaves: Sequence[Any]) -> float:
+        value = self.place()
+        if type(value) is not float:
+            raise LookupError(f"{self.label} holds {type(value).__name__}, not a float")
+        return value
+
+    def __str__(self) -> str:
+        return self.label
+
+    @property
+    def name(self) -> str:
+        """A name for graph dumps: ``float.global_KL_WEIGHT_of_train``."""
+        return "float." + re.sub(r"\W+", "_", self.label)
 
 
 def argument_labels(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[str]:
@@ -302,7 +336,7 @@ class TracedStep:
     # Parameters whose gradient was an input and is None after the step (zero_grad()).
     cleared_grads: list[str]
     fake_mode: FakeTensorMode = field(repr=False)
-    hyperparameters: list = field(default_factory=list)  # HyperParameter, then FloatArgument
+    hyperparameters: list = field(default_factory=list)  # HyperParameter, then FloatArgument, then FloatConstant
     guards: HyperParameterGuards = field(default_factory=lambda: HyperParameterGuards([], [], []))
     # Python values the trace read and baked in (module attributes, globals, closure variables).
     python_guards: PythonGuards = field(default_factory=PythonGuards)
@@ -959,6 +993,27 @@ def step_functions(fn: Callable[..., Any], model: nn.Module, optimizer: Optional
     return functions, hook_objects, owners
 
 
+def step_float_constants(fn: Callable[..., Any], model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> list[FloatConstant]:
+    """Where the step's code reads Python floats that are graph inputs (:class:`FloatConstant`, from
+    :func:`~spmd_expand.python_values.float_places` over :func:`step_functions`)."""
+    functions, _, _ = step_functions(fn, model, optimizer)
+    return [FloatConstant(label, place) for label, place in float_places(functions)]
+
+
+@contextlib.contextmanager
+def _floats_in_place(hyperparameters: Sequence[Any], values: Sequence[Any]) -> Iterator[None]:
+    """While inside, each :class:`FloatConstant`'s place holds its graph input (a ``SymFloat``); the
+    original float is put back after, also when tracing fails."""
+    placed = [(hp, hp.place(), value) for hp, value in zip(hyperparameters, values) if isinstance(hp, FloatConstant)]
+    try:
+        for hp, _, value in placed:
+            hp.place.write(value)
+        yield
+    finally:
+        for hp, original, _ in reversed(placed):
+            hp.place.write(original)
+
+
 def step_tensor_constants(fn: Callable[..., Any], model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> list[TensorConstant]:
     """Where the step reads tensors that are neither its arguments nor the model's or the
     optimizer's (:func:`~spmd_expand.python_values.tensor_constants` over :func:`step_functions`):
@@ -1017,7 +1072,8 @@ def trace_step(
             (:meth:`spmd_expand.plans.ResolvedPlan.mixed_precision`); None: none.
         parameter_hooks: register each parameter's gradient and post-accumulate-grad hooks on the
             tensor that stands for it, so the trace runs them (False: the caller's autograd runs them).
-        float_args: the float arguments of the step that are graph inputs (:func:`float_arguments`),
+        float_args: the float arguments of the step (:func:`float_arguments`) and the floats it reads
+            from globals and closure variables (:func:`step_float_constants`) that are graph inputs,
             after the optimizer's hyperparameters; the others are traced with their values.
         tensor_constants: the places of the tensors the step reads from elsewhere that are graph
             inputs (:func:`step_tensor_constants`): each has a ``constant`` input role labelled with
@@ -1121,7 +1177,8 @@ def trace_step(
         ), mode.optimizer_step(optimizer), mark_boundaries(model, module_layouts or {}), mark_sequence_first(
             model
         ), _cast_root_io(model, mixed_precision.policy if mixed_precision else None), mode:
-            with record_reads(model, settings_objects) as reads, _constants_in_place(constants_by_label, by_role):
+            with record_reads(model, settings_objects) as reads, _constants_in_place(constants_by_label, by_role), \
+                    _floats_in_place(hyperparameters, hp_values):
                 result = fn(*call_args, **call_kwargs)
             recorded[:] = [reads]
             for original, wide, fqn, key in widened:
@@ -1165,6 +1222,8 @@ def trace_step(
 
     modes_before = {fqn: m.training for fqn, m in model.named_modules()}
     user_functions, hook_objects, owners = step_functions(fn, model, optimizer)
+    # The floats read from globals that are graph inputs: their places are inputs, not guards.
+    lifted_floats = {hp.label for hp in hyperparameters if isinstance(hp, FloatConstant)}
     constants_by_label = {c.label: c for c in tensor_constants}
     optimizers = user_optimizers(optimizer)
     # torch's optimizers too, for their reads only: an attribute the user set on one and the step reads
@@ -1272,7 +1331,8 @@ def trace_step(
         hyperparameters,
         _hyperparameter_guards(shape_env, symbols, hyperparameters, hints),
         PythonGuards(
-            code_reads(user_functions) + class_attribute_reads(user_functions, owners) + recorded[-1].values,
+            [v for v in code_reads(user_functions) if v.description not in lifted_floats]
+            + class_attribute_reads(user_functions, owners) + recorded[-1].values,
             global_state,
             recorded[-1].module_reads,
         ),

@@ -39,7 +39,7 @@ def _step_with_rank_dependent_code(rank: int):
     return step
 
 
-def _scaled_step(scale: float):
+def _scaled_step(scale: float | int):
     def step(model, optimizer, x, y):
         loss = F.cross_entropy(model(x), y) * scale  # a rank-dependent constant
         loss.backward()
@@ -121,6 +121,7 @@ def run_cases(rank: int, world: int) -> dict:
         "width": _compile_run(rank, mesh, fsdp, _mlp(width=24 if rank == 1 else 16), _step),
         "extra_matmul": _compile_run(rank, mesh, ddp, _mlp(), _step_with_rank_dependent_code(rank)),
         "scaled_loss": _compile_run(rank, mesh, ddp, _mlp(), _scaled_step(1.0 + rank)),
+        "scaled_loss_int": _compile_run(rank, mesh, ddp, _mlp(), _scaled_step(1 + rank)),
         "backend": _backend_run(rank, mesh, ddp),
         "pass": _pass_run(rank, mesh, ddp),
     }

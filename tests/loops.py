@@ -586,7 +586,7 @@ def global_scale_step(model, optimizer, x, y):
 
 def change_global_scale(i, pair):
     global LOSS_SCALE
-    LOSS_SCALE = 2.0 if i >= 2 else 1.0  # 1, 1, 2, 2: two graphs
+    LOSS_SCALE = 2.0 if i >= 2 else 1.0  # 1, 1, 2, 2: a graph input, one graph
 
 
 # A class-weighted loss in a global criterion and a frozen module a loss term runs (a perceptual or
@@ -633,7 +633,7 @@ def _closure_scale():
 
     def between(i, pair):
         nonlocal scale
-        scale = 0.5 if i == 1 else 1.0  # 1, 0.5, 1, 1: two graphs
+        scale = 0.5 if i == 1 else 1.0  # 1, 0.5, 1, 1: a graph input, one graph
 
     return step, between
 
@@ -1091,6 +1091,13 @@ def run_bad_batches(rank: int, world: int) -> dict:
         CLASS_WEIGHTS[0] = 3.0
     results["different_global_tensors"] = _refusal(lambda: step(model, optimizer, *x_y))
     change_global_tensors(0, None)
+    # So is a float read from a global (a graph input too).
+    global LOSS_SCALE
+    step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(global_scale_step)
+    step(model, optimizer, *x_y)
+    LOSS_SCALE = [1.0, 0.5][rank]
+    results["different_global_floats"] = _refusal(lambda: step(model, optimizer, *x_y))
+    LOSS_SCALE = 1.0
     # An LR scheduler stepped on rank 0 only (`if rank == 0:` around logging and scheduling, or
     # ReduceLROnPlateau fed each rank's own metric): the ranks would update the same parameters with
     # different learning rates, silently. Refused on every rank, and the parameters are untouched.

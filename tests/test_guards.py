@@ -187,27 +187,66 @@ def _helper_step(model, optimizer, x):
     return loss
 
 
-def test_global_read_by_a_called_function_recompiles_with_a_warning(fake_mesh):
-    """A global read two calls deep is baked in (a constant of leaky_relu): a change compiles again and
-    the warning names it; the old value's graph is reused when the value comes back."""
+def test_a_float_global_read_by_a_called_function_is_a_graph_input(fake_mesh):
+    """A float global read two calls deep (leaky_relu's slope) is a graph input, like a float
+    argument: a new value runs the same graph with it, no compilation, no warning."""
     global NEGATIVE_SLOPE
     model, optimizer, step, x = _compiled(fake_mesh, _helper_step)
     try:
         step(model, optimizer, x)
         first = step.last
-        slopes = {n.args[1] for n in first.traced.graph_module.graph.nodes if "leaky_relu" in str(n.target)}
-        assert 0.1 in slopes
+        slopes = [n.args[1] for n in first.traced.graph_module.graph.nodes if "leaky_relu" in str(n.target)]
+        assert slopes and all(isinstance(s, torch.fx.Node) and s.op == "placeholder" for s in slopes), slopes
+        assert "global NEGATIVE_SLOPE of test_guards" in [str(hp) for hp in first.traced.hyperparameters]
         NEGATIVE_SLOPE = 0.2
-        with pytest.warns(UserWarning, match=r"global NEGATIVE_SLOPE of test_guards == 0.1 \(now 0.2\)") as record:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
             step(model, optimizer, x)
-        # A float: the fix that needs no graph per value is a float argument (a graph input).
-        assert any("pass it to the step as a float argument" in str(w.message) for w in record)
+        assert step.last is first
+        assert NEGATIVE_SLOPE == 0.2  # the trace's stand-in is not left behind
+        # Holding something else than a float, it is no input: the full path, a graph of its own.
+        NEGATIVE_SLOPE = 1
+        step(model, optimizer, x)
         assert step.last is not first
+        assert 1 in [n.args[1] for n in step.last.traced.graph_module.graph.nodes if "leaky_relu" in str(n.target)]
+    finally:
         NEGATIVE_SLOPE = 0.1
+
+
+POWER = 2  # an int read by a helper: a constant of the graph, guarded
+
+
+def _powered(h):
+    return h.abs().pow(POWER)
+
+
+def _int_helper_step(model, optimizer, x):
+    loss = _powered(model(x)).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_an_int_global_read_by_a_called_function_recompiles_with_a_warning(fake_mesh):
+    """An int global read two calls deep is baked in (a constant of pow): a change compiles again and
+    the warning names it; the old value's graph is reused when the value comes back."""
+    global POWER
+    model, optimizer, step, x = _compiled(fake_mesh, _int_helper_step)
+    try:
+        step(model, optimizer, x)
+        first = step.last
+        assert 2 in {n.args[1] for n in first.traced.graph_module.graph.nodes if "pow" in str(n.target)}
+        POWER = 3
+        with pytest.warns(UserWarning, match=r"global POWER of test_guards == 2 \(now 3\)") as record:
+            step(model, optimizer, x)
+        assert not any("float argument" in str(w.message) for w in record)  # not a fix for an int
+        assert step.last is not first
+        POWER = 2
         step(model, optimizer, x)
         assert step.last is first
     finally:
-        NEGATIVE_SLOPE = 0.1
+        POWER = 2
 
 
 def test_module_attribute_reads_are_recorded_and_classes_restored(fake_mesh):
@@ -439,8 +478,10 @@ def test_an_attribute_of_a_global_namespace_is_guarded_exactly_as_read(fake_mesh
         step(model, optimizer, x)
         assert step.last is first
         ARGS.label_smoothing = 0.1
-        with pytest.warns(UserWarning, match=r"attribute label_smoothing of global ARGS of test_guards == 0.0 \(now 0.1\)"):
+        with pytest.warns(UserWarning, match=r"attribute label_smoothing of global ARGS of test_guards == 0.0 \(now 0.1\)") as record:
             step(model, optimizer, x)
+        # A float: the fix that needs no graph per value is a float argument (a graph input).
+        assert any("pass it to the step as a float argument" in str(w.message) for w in record)
         assert step.last is not first
         assert type(ARGS) is argparse.Namespace  # its class is given back after tracing
     finally:

@@ -48,8 +48,14 @@ def test_extra_matmul_names_the_source_line(results):
 
 
 def test_rank_dependent_constant(results):
+    """A float closure variable set from the rank: a graph input (one graph), whose values the
+    per-call check compares across ranks."""
     for message in _errors(results, "scaled_loss"):
-        assert "aten.mul.Tensor ('div', 1.0)" in message and "aten.mul.Tensor ('div', 2.0)" in message
+        assert "the ranks hold different values of Python floats the step reads" in message, message
+        assert "closure variable scale of _scaled_step.<locals>.step: rank 0 1.0, rank 1 2.0" in message, message
+    # An int is a constant of the graph: the ranks' graphs differ, at the line that reads it.
+    for message in _errors(results, "scaled_loss_int"):
+        assert "aten.mul.Tensor ('div', 1)" in message and "aten.mul.Tensor ('div', 2)" in message, message
         assert "loss = F.cross_entropy(model(x), y) * scale" in message
 
 

@@ -402,13 +402,13 @@ def _set_global(name):
     return lambda value: globals().__setitem__(name, value)
 
 
-def test_a_value_a_gradient_hook_reads_is_guarded(fake_mesh):
-    """``lambda g: g * SCALE``: the trace bakes SCALE in; a new value compiles again, the same value
-    reuses the graph, and the updates follow the value (SCALE 0 leaves the weight as it is)."""
+def test_a_float_a_gradient_hook_reads_is_a_graph_input(fake_mesh):
+    """``lambda g: g * SCALE`` with SCALE a float global: a graph input (as a float argument is), so
+    one graph serves every value, and the updates follow the value (SCALE 0 leaves the weight as it is)."""
     model = _mlp()
     model[0].weight.register_hook(_scale_gradient)
     step = _updates_follow(fake_mesh, model, model[0].weight, _set_global("GRADIENT_SCALE"), (1.0, 0.0, 0.0, 1.0))
-    assert sum(map(len, step.cache.values())) == 2
+    assert sum(map(len, step.cache.values())) == 1
 
 
 class GradientScaler:
@@ -454,13 +454,15 @@ def _train_with_method(model, optimizer, x):
 
 
 @pytest.mark.parametrize("called_from", ["forward", "step"])
-def test_a_value_a_method_reads_is_guarded(fake_mesh, called_from):
+def test_a_float_a_method_reads_is_a_graph_input(fake_mesh, called_from):
     """HELPER_SCALE 0 stops fc1's updates (read in ``forward``'s ``self.scaled``) or every update (read
-    in ``model.compute_loss``, which the step calls)."""
+    in ``model.compute_loss``, which the step calls): the methods' code is followed, and the float
+    global they read is a graph input (one graph for every value)."""
     model = WithHelpers()
     step_fn = _train_with_method if called_from == "step" else _train
     step = _updates_follow(fake_mesh, model, model.fc1.weight, _set_global("HELPER_SCALE"), (1.0, 0.0, 1.0), step_fn)
-    assert sum(map(len, step.cache.values())) == 2
+    assert sum(map(len, step.cache.values())) == 1
+    assert "global HELPER_SCALE of test_side_effects" in [str(hp) for hp in step.last.traced.hyperparameters]
 
 
 def _scale_by_global(h):
