@@ -334,7 +334,7 @@ class CompiledStep:
             step_name = getattr(self.fn, "__name__", "the step")
             which = (
                 f"{step_name}'s float arguments" if all(isinstance(fa, FloatArgument) for fa in failed.float_args)
-                else f"the floats {step_name} takes and reads from globals"
+                else f"the floats {step_name} takes and reads"
             )
             warnings.warn(
                 f"spmd.compile: {which} ({names}) are "
@@ -497,8 +497,8 @@ class CompiledStep:
                 globals_read = [str(hp) for hp in last.hyperparameters if isinstance(hp, FloatConstant)]
                 if failed is not None and any(name in failed for name in globals_read):
                     why = (
-                        f"the traced code assumed {failed}. A float the step reads from a global or a closure "
-                        f"variable and branches on or reads as a number (`torch.tensor(scale)`, `math.exp(scale)`, an "
+                        f"the traced code assumed {failed}. A float the step reads from a global, a closure "
+                        f"variable or an attribute and branches on or reads as a number (`torch.tensor(scale)`, `math.exp(scale)`, an "
                         f"op's float setting such as `p=` of dropout or `label_smoothing=`) recompiles on every change; "
                         f"where it changes every call, keep it in a tensor the step reads (a global "
                         f"`SCALE = torch.tensor(1.0)` updated with `.fill_()`: a graph input too) and compute with that"
@@ -524,6 +524,14 @@ class CompiledStep:
                     stacklevel=4,
                 )
             else:
+                # A new cache entry. When a Python value the last graph read changed (a float attribute
+                # set where there was none, which makes it a graph input: another entry), say so.
+                changed = self._binding.artifacts.traced.python_guards.check() if self._binding is not None else None
+                if changed is not None:
+                    warnings.warn(
+                        f"spmd.compile: compiling {getattr(self.fn, '__name__', 'the step')} again: {changed}",
+                        stacklevel=4,
+                    )
                 self._note_new_constants(constants)
             self._note_batch_shapes(batch_leaves)
             float_args = [hp for hp in hyperparameters if isinstance(hp, (FloatArgument, FloatConstant))]

@@ -882,15 +882,28 @@ def tensor_constants(
     return list(unique.values())
 
 
-def float_places(functions: list[Callable], depth: int = FOLLOW_DEPTH) -> list[tuple[str, Callable[[], Any]]]:
-    """(label, slot) of each global, closure variable and user module attribute holding a Python
-    ``float`` (not a bool or an int, not a numpy scalar) that the user's ``functions`` (followed as
-    :func:`code_reads` follows them) read and that no followed code assigns (``global SCALE; SCALE *= 0.9``
-    stays a guard, as its assignment is replayed after each call). The slot reads the place (call it)
-    and writes it (``slot.write``). Default argument values are left out (an argument the caller may
-    pass instead; a float argument is a graph input already)."""
+def float_places(
+    functions: list[Callable], model: Optional[nn.Module] = None, depth: int = FOLLOW_DEPTH
+) -> list[tuple[str, Callable[[], Any]]]:
+    """(label, slot) of each place holding a Python ``float`` (not a bool or an int, not a numpy
+    scalar) that the user's ``functions`` (followed as :func:`code_reads` follows them) read and that
+    no followed code assigns (``global SCALE; SCALE *= 0.9``, ``self.t = self.t * 0.99`` stay guards:
+    such an assignment is replayed after each call):
+
+    * a global, a closure variable, a user module's attribute (``config.SCALE``); default argument
+      values are left out (an argument the caller may pass instead is a float argument already);
+    * a plain attribute (in its ``__dict__``) of a settings object there or of the object a method step
+      belongs to (:func:`settings_variables`, and the settings objects they hold, as
+      :func:`record_reads` follows them: ``args.kl_weight``, a trainer's ``self.loss_scale``) or of a
+      module of ``model`` whose class is the user's (``self.temperature``; torch's and installed
+      packages' modules keep theirs: ``nn.Dropout.p``, ``nn.LayerNorm.eps`` are settings of library
+      code, which is not followed), where the followed code names the attribute.
+
+    The slot reads the place (call it; ``_MISSING`` when gone) and writes it (``slot.write``)."""
     followed = list(_user_functions(functions, depth))
     assigned = {(kind, name) for fn in followed for kind, name, _ in _stores(fn)}
+    names = set(itertools.chain.from_iterable(_attribute_names(fn.__code__) for fn in followed))
+    names -= set(itertools.chain.from_iterable(_stored_attribute_names(fn.__code__) for fn in followed))
     found: dict[str, Callable[[], Any]] = {}
     seen: set = set()
     for fn in followed:
@@ -901,7 +914,52 @@ def float_places(functions: list[Callable], depth: int = FOLLOW_DEPTH) -> list[t
             if (("global" if kind == "global" else "cell"), name) in assigned:
                 continue
             found.setdefault(_variable_label(kind, name, fn), slot)
+    objects = [(label, obj, reader) for label, obj, reader in settings_variables(functions, depth) if not isinstance(obj, nn.Module)]
+    for level in range(_NESTED_DEPTH + 1):
+        nested = []
+        for label, obj, reader in objects:
+            for name, value in list(getattr(obj, "__dict__", {}).items()):
+                if name in names and type(value) is float:
+                    found.setdefault(f"attribute {name} of {label}", _AttributeSlot(reader, name))
+                elif level < _NESTED_DEPTH and is_settings_object(value):
+                    nested.append((f"{name} of {label}", value, _attribute_reader(reader, name)))
+        objects = nested
+    for fqn, module in model.named_modules() if model is not None else ():
+        if not _is_user_class(type(module)):
+            continue
+        place = f"the model's module {fqn}" if fqn else "the model"
+        for name, value in vars(module).items():
+            if name in names and name not in _MODULE_OWN and type(value) is float:
+                found.setdefault(f"attribute {name} of {place}", _AttributeSlot(lambda m=module: m, name))
     return list(found.items())
+
+
+class _AttributeSlot:
+    """A reader (call it) and writer (:meth:`write`) of the plain attribute ``name`` (an entry of its
+    ``__dict__``) of what ``holder()`` returns; ``_MISSING`` when either is gone. Writes with
+    ``object.__setattr__``: a frozen dataclass's or a module's own ``__setattr__`` is not run."""
+
+    def __init__(self, holder: Callable[[], Any], name: str) -> None:
+        self.holder, self.name = holder, name
+
+    def __call__(self) -> Any:
+        obj = self.holder()
+        return _MISSING if obj is _MISSING else getattr(obj, "__dict__", {}).get(self.name, _MISSING)
+
+    def write(self, value: Any) -> None:
+        object.__setattr__(self.holder(), self.name, value)
+
+
+def _stored_attribute_names(code: types.CodeType) -> Iterator[str]:
+    """The attribute names ``code`` and its nested code objects assign or delete (``STORE_ATTR`` /
+    ``DELETE_ATTR``: ``self.t = ...``, ``args.scale *= 0.9``)."""
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        for ins in dis.get_instructions(c):
+            if ins.opname in ("STORE_ATTR", "DELETE_ATTR"):
+                yield ins.argval
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
 
 
 def _element_writer(holder: Callable[[], Any], key: Any) -> Callable[[Any], None]:

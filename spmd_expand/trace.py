@@ -194,9 +194,11 @@ class FloatArgument:
 
 @dataclass(frozen=True)
 class FloatConstant:
-    """A Python float the step's code reads from a global, a closure variable or a user module's
-    attribute (``loss * KL_WEIGHT``, ``F.leaky_relu(x, SLOPE)``, ``config.TEMPERATURE``): a weight a
-    curriculum or an annealing schedule changes between calls.
+    """A Python float the step's code reads from a global, a closure variable, a user module's
+    attribute (``loss * KL_WEIGHT``, ``F.leaky_relu(x, SLOPE)``, ``config.TEMPERATURE``), or an
+    attribute of a settings object or of one of the model's modules of the user's own classes
+    (``args.kl_weight``, ``self.temperature``): a weight a curriculum or an annealing schedule changes
+    between calls.
 
     Like a float argument it is a graph input, traced as a ``SymFloat`` that stands in its place
     (:func:`_floats_in_place`), so a new value needs no new graph; what the trace assumed about it is
@@ -995,23 +997,30 @@ def step_functions(fn: Callable[..., Any], model: nn.Module, optimizer: Optional
 
 def step_float_constants(fn: Callable[..., Any], model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> list[FloatConstant]:
     """Where the step's code reads Python floats that are graph inputs (:class:`FloatConstant`, from
-    :func:`~spmd_expand.python_values.float_places` over :func:`step_functions`)."""
+    :func:`~spmd_expand.python_values.float_places` over :func:`step_functions`): globals, closure
+    variables, and plain attributes of settings objects and of the user's own modules of ``model``."""
     functions, _, _ = step_functions(fn, model, optimizer)
-    return [FloatConstant(label, place) for label, place in float_places(functions)]
+    return [FloatConstant(label, place) for label, place in float_places(functions, model)]
 
 
 @contextlib.contextmanager
 def _floats_in_place(hyperparameters: Sequence[Any], values: Sequence[Any]) -> Iterator[None]:
     """While inside, each :class:`FloatConstant`'s place holds its graph input (a ``SymFloat``); the
-    original float is put back after, also when tracing fails."""
+    original float is put back after, also when tracing fails. A place the step assigned meanwhile in
+    a way :func:`~spmd_expand.python_values.float_places` does not see (``setattr``, library code) is
+    a :class:`TraceError`: the compiled step then traces with the values (its assignment is replayed
+    after each call), instead of losing the assignment to the put-back."""
     placed = [(hp, hp.place(), value) for hp, value in zip(hyperparameters, values) if isinstance(hp, FloatConstant)]
     try:
         for hp, _, value in placed:
             hp.place.write(value)
         yield
     finally:
+        assigned = [hp.label for hp, _, value in placed if hp.place() is not value]
         for hp, original, _ in reversed(placed):
             hp.place.write(original)
+    if assigned:
+        raise TraceError(f"the step assigns {', '.join(assigned)}, a float it reads that would be a graph input")
 
 
 def step_tensor_constants(fn: Callable[..., Any], model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> list[TensorConstant]:
@@ -1331,8 +1340,8 @@ def trace_step(
         hyperparameters,
         _hyperparameter_guards(shape_env, symbols, hyperparameters, hints),
         PythonGuards(
-            [v for v in code_reads(user_functions) if v.description not in lifted_floats]
-            + class_attribute_reads(user_functions, owners) + recorded[-1].values,
+            [v for v in code_reads(user_functions) + class_attribute_reads(user_functions, owners) + recorded[-1].values
+             if v.description not in lifted_floats],
             global_state,
             recorded[-1].module_reads,
         ),

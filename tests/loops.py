@@ -526,7 +526,7 @@ class Tempered(TwoLayer):
 
 
 def change_temperature(i, pair):
-    pair["model"].temperature = 1.0 + 0.5 * (i % 2)  # 1.0, 1.5, 1.0, 1.5: two graphs
+    pair["model"].temperature = 1.0 + 0.5 * (i % 2)  # 1.0, 1.5, 1.0, 1.5: a graph input, one graph
 
 
 def count_steps(i, pair):
