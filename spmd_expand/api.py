@@ -365,7 +365,7 @@ class CompiledStep:
                 attempted = self._state_attempted.setdefault(optimizer, set())
                 if initialize_optimizer_state(model, optimizer, attempted):
                     self._distribute_state(model, optimizer)
-            # Floats the step reads from globals and closure variables are graph inputs too.
+            # Floats the step reads from globals, closure variables and attributes are graph inputs too.
             float_constants = step_float_constants(self.fn, model, optimizer) if self._float_inputs else []
             hyperparameters = [*hyperparameters_of(optimizer), *float_args, *float_constants]
             values = [hp.read(optimizer, leaves) for hp in hyperparameters]

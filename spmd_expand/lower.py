@@ -204,7 +204,8 @@ class InductorStep:
         if compiled is None:
             warnings.warn(
                 f"spmd.compile: the Inductor-compiled step holds float inputs {self.constants} (optimizer "
-                f"hyperparameters, float arguments of the step or floats it reads from globals) as constants, and they changed to {list(key)}: compiling the step again "
+                f"hyperparameters, float arguments of the step or floats it reads from globals) as constants, "
+                f"and they changed to {list(key)}: compiling the step again "
                 f"for these values (spmd_expand.tensorify cannot pass them as tensors through "
                 f"{self.refused.format_node()[:200]}). lower=\"eager\" takes them as inputs",
                 stacklevel=2,

@@ -856,23 +856,8 @@ def tensor_constants(
     # Tensors held as plain attributes: of the settings objects those variables hold (`args.class_weights`)
     # and of the object a method step belongs to (a trainer's `self.class_weights`), and of the model's
     # own modules (`self.scale = torch.ones(d)` in `__init__`, not registered as a buffer).
-    held = []
-    objects = [(label, obj, reader) for label, obj, reader in settings_variables(functions, depth) if not isinstance(obj, nn.Module)]
-    for level in range(_NESTED_DEPTH + 1):  # and the settings objects they hold, as record_reads follows them
-        nested = []
-        for label, obj, reader in objects:
-            for name, value in list(getattr(obj, "__dict__", {}).items()):
-                if name in names and liftable(value):
-                    held.append((f"attribute {name} of {label}", obj, reader, name))
-                elif level < _NESTED_DEPTH and is_settings_object(value):
-                    nested.append((f"{name} of {label}", value, _attribute_reader(reader, name)))
-        objects = nested
-    for fqn, module in model.named_modules():
-        place = f"the model's module {fqn}" if fqn else "the model"
-        held += [(f"attribute {name} of {place}", module, lambda m=module: m, name)
-                 for name, value in vars(module).items() if name in names and name not in _MODULE_OWN and liftable(value)]
-    for label, obj, reader, name in held:
-        if not is_own(getattr(obj, name)):
+    for label, reader, name, value, _ in _plain_attributes(functions, model, names, depth):
+        if liftable(value) and not is_own(value):
             found.append(TensorConstant(label, _attribute_reader(reader, name), _attribute_writer(reader, name)))
     # Labels name graph inputs: one place each (a second place of the same name stays unlifted, and a
     # trace reading from it fails with the TraceError rather than taking the first place's tensor).
@@ -914,24 +899,34 @@ def float_places(
             if (("global" if kind == "global" else "cell"), name) in assigned:
                 continue
             found.setdefault(_variable_label(kind, name, fn), slot)
+    for label, reader, name, value, module in _plain_attributes(functions, model, names, depth):
+        if type(value) is float and (module is None or _is_user_class(type(module))):
+            found.setdefault(label, _AttributeSlot(reader, name))
+    return list(found.items())
+
+
+def _plain_attributes(
+    functions: list[Callable], model: Optional[nn.Module], names: set, depth: int = FOLLOW_DEPTH
+) -> Iterator[tuple[str, Callable[[], Any], str, Any, Optional[nn.Module]]]:
+    """(label, reader of the holder, name, value, the module or None) of each plain attribute (in the
+    holder's ``__dict__``) whose name is in ``names``: of the settings objects :func:`settings_variables`
+    finds for ``functions`` and those they hold, :data:`_NESTED_DEPTH` levels down (as
+    :func:`record_reads` follows them), and of ``model``'s modules (not ``nn.Module``'s own)."""
     objects = [(label, obj, reader) for label, obj, reader in settings_variables(functions, depth) if not isinstance(obj, nn.Module)]
     for level in range(_NESTED_DEPTH + 1):
         nested = []
         for label, obj, reader in objects:
             for name, value in list(getattr(obj, "__dict__", {}).items()):
-                if name in names and type(value) is float:
-                    found.setdefault(f"attribute {name} of {label}", _AttributeSlot(reader, name))
-                elif level < _NESTED_DEPTH and is_settings_object(value):
+                if name in names:
+                    yield f"attribute {name} of {label}", reader, name, value, None
+                if level < _NESTED_DEPTH and is_settings_object(value):
                     nested.append((f"{name} of {label}", value, _attribute_reader(reader, name)))
         objects = nested
     for fqn, module in model.named_modules() if model is not None else ():
-        if not _is_user_class(type(module)):
-            continue
         place = f"the model's module {fqn}" if fqn else "the model"
-        for name, value in vars(module).items():
-            if name in names and name not in _MODULE_OWN and type(value) is float:
-                found.setdefault(f"attribute {name} of {place}", _AttributeSlot(lambda m=module: m, name))
-    return list(found.items())
+        for name, value in list(vars(module).items()):
+            if name in names and name not in _MODULE_OWN:
+                yield f"attribute {name} of {place}", lambda m=module: m, name, value, module
 
 
 class _AttributeSlot:
