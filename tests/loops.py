@@ -8,6 +8,7 @@ compare. ``run_scenarios`` is the worker for ``spmd_expand.app.launch.run_local`
 
 from __future__ import annotations
 
+import argparse
 import collections
 import copy
 import math
@@ -589,6 +590,51 @@ def change_global_scale(i, pair):
     LOSS_SCALE = 2.0 if i >= 2 else 1.0  # 1, 1, 2, 2: a graph input, one graph
 
 
+class HFStudent(nn.Module):
+    """A user's wrapper around a HuggingFace classifier (a tiny ``BertForSequenceClassification`` fed
+    the batch as 2 embeddings of 8) with a softmax temperature a curriculum anneals."""
+
+    def __init__(self):
+        super().__init__()
+        import transformers
+
+        config = transformers.BertConfig(
+            vocab_size=8, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+            max_position_embeddings=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=4,
+        )
+        self.bert = transformers.BertForSequenceClassification(config)
+        self.temperature = 2.0
+
+    def forward(self, x):
+        return self.bert(inputs_embeds=x.view(x.shape[0], 2, 8)).logits / self.temperature
+
+
+DISTILLATION_WEIGHT = 0.0  # a global the loop anneals
+DISTILLATION_ARGS = argparse.Namespace(aux_weight=0.1, epochs=3)
+
+
+def distillation_step(model, optimizer, x, y):
+    """Knowledge distillation (Hinton et al. 2015) as scripts write it: hard-label cross entropy and a
+    KL term to a teacher's logits (here the batch's first 4 features), mixed by a global weight, plus a
+    logit penalty weighted by ``args.aux_weight``."""
+    logits = model(x)
+    kl = F.kl_div(F.log_softmax(logits, -1), F.softmax(x[:, :4], -1), reduction="batchmean")
+    loss = (1 - DISTILLATION_WEIGHT) * F.cross_entropy(logits, y) + DISTILLATION_WEIGHT * kl
+    loss = loss + DISTILLATION_ARGS.aux_weight * logits.square().mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def anneal_distillation(i, pair):
+    """Every float the step reads changes before every call: a global, a namespace's, the model's."""
+    global DISTILLATION_WEIGHT
+    DISTILLATION_WEIGHT = min(1.0, 0.3 * i)
+    DISTILLATION_ARGS.aux_weight = 0.1 / (i + 1)
+    pair["model"].temperature = 2.0 - 0.25 * i
+
+
 # A class-weighted loss in a global criterion and a frozen module a loss term runs (a perceptual or
 # feature-matching loss), neither of them the model's: tensors the step reads from elsewhere, graph
 # inputs read on every call.
@@ -987,6 +1033,9 @@ SCENARIOS: dict[str, dict] = {
     "float_argument_mixup": dict(step=mixup_argument_step, arguments=lambda i: ([0.7, 0.2, 0.9, 0.4, 0.6][i],)),
     "float_argument_ema_teacher": dict(model_fn=StudentTeacher, step=ema_teacher_step, arguments=_momentum_schedule),
     "global_tensor_constants": dict(step=global_tensors_step, between=change_global_tensors),
+    # Floats the step reads from a global, a settings object and a module attribute are graph inputs:
+    # annealed before every call, one compilation.
+    "hf_distillation_annealed": dict(model_fn=HFStudent, step=distillation_step, between=anneal_distillation),
     "lookahead_attribute_count_adamw": dict(
         optimizer_fn=lambda ps: AttributeCountedLookahead(torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)), steps=5
     ),
