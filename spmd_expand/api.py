@@ -179,9 +179,10 @@ class CompiledStep:
         self._binding: Optional[_Binding] = None
         # The batch shapes and dtypes graphs were compiled for, first seen first.
         self._batch_shapes: list[tuple] = []
-        # The step's float arguments are graph inputs (FloatArgument), unless a compilation with them as
-        # inputs failed where one with their values did not: then they are constants of the graph.
-        self._float_inputs = True
+        # Which Python floats are graph inputs: "all" (the step's float arguments, FloatArgument, and the
+        # floats it reads from globals and attributes, FloatConstant), "arguments" or "none": a
+        # compilation with them as inputs failed where one with their values did not.
+        self._float_inputs = "all"
         # The name of each leaf of the arguments (trace.argument_labels), per argument structure.
         self._labels: dict[pytree.TreeSpec, list[str]] = {}
         functools.update_wrapper(self, fn)
@@ -194,7 +195,7 @@ class CompiledStep:
         self.redistribute_cache = RedistributeCache()
         self._binding = None
         self._batch_shapes.clear()
-        self._float_inputs = True
+        self._float_inputs = "all"
 
     # ------------------------------------------------------------------ gradient accumulation
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
@@ -320,21 +321,30 @@ class CompiledStep:
                 return self(*args, **kwargs)
         try:
             return self._call(args, kwargs)
-        except _FloatInputsFailed as failed:
-            # Traced as a symbolic float, an argument reached code that needs a number (a numpy call,
-            # a format string, a Python library): trace with the values, as before this step had
-            # float inputs. If that fails too, its error is the step's own problem.
-            self._float_inputs = False
+        except _FloatInputsFailed as first:
+            failed = first
+        # Traced as a symbolic float, a float reached code that needs a number (a numpy call, a format
+        # string, a Python library): trace with the values. First those of the floats read from
+        # globals and attributes (the step's float arguments stay inputs), then all; if that fails
+        # too, its error is the step's own problem.
+        before = self._float_inputs
+        for level in ("arguments", "none") if before == "all" else ("none",):
+            self._float_inputs = level
             try:
                 result = self._call(args, kwargs)
+            except _FloatInputsFailed as again:
+                failed = again
+                continue
             except SpmdError:
-                self._float_inputs = True
+                self._float_inputs = before
                 raise
-            names = ", ".join(fa.label for fa in failed.float_args)
+            constants = [fa for fa in failed.float_args if level == "none" or isinstance(fa, FloatConstant)]
+            names = ", ".join(fa.label for fa in constants)
             step_name = getattr(self.fn, "__name__", "the step")
             which = (
-                f"{step_name}'s float arguments" if all(isinstance(fa, FloatArgument) for fa in failed.float_args)
-                else f"the floats {step_name} takes and reads"
+                f"{step_name}'s float arguments" if all(isinstance(fa, FloatArgument) for fa in constants)
+                else f"the floats {step_name} takes and reads" if level == "none"
+                else f"the floats {step_name} reads from globals and attributes"
             )
             warnings.warn(
                 f"spmd.compile: {which} ({names}) are "
@@ -344,6 +354,7 @@ class CompiledStep:
                 stacklevel=2,
             )
             return result
+        raise AssertionError("unreachable: with no float inputs a compilation raises its own error")
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         leaves, structure = pytree.tree_flatten((args, kwargs))
@@ -354,7 +365,7 @@ class CompiledStep:
         labels = self._labels.get(structure)
         if labels is None:  # the names of the arguments' leaves: one signature read per structure
             labels = self._labels[structure] = argument_labels(self.fn, args, kwargs)
-        float_args = float_arguments(leaves, labels) if self._float_inputs else []
+        float_args = float_arguments(leaves, labels) if self._float_inputs != "none" else []
         constants = self._constants(leaves, labels, {fa.position for fa in float_args})
         bound = self._bound_call(model, optimizer, batch_leaves, constants, leaves)
         if bound is None:
@@ -366,7 +377,7 @@ class CompiledStep:
                 if initialize_optimizer_state(model, optimizer, attempted):
                     self._distribute_state(model, optimizer)
             # Floats the step reads from globals, closure variables and attributes are graph inputs too.
-            float_constants = step_float_constants(self.fn, model, optimizer) if self._float_inputs else []
+            float_constants = step_float_constants(self.fn, model, optimizer) if self._float_inputs == "all" else []
             hyperparameters = [*hyperparameters_of(optimizer), *float_args, *float_constants]
             values = [hp.read(optimizer, leaves) for hp in hyperparameters]
             selection = self._select(model, optimizer, batch_leaves, constants, hyperparameters, values)

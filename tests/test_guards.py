@@ -706,6 +706,34 @@ def test_float_arguments_that_cannot_be_inputs_become_constants_with_a_warning(f
     assert sum(len(v) for v in step.cache.values()) == 2
 
 
+RUN_SCALE = 1.0  # a global a log line formats
+
+
+def _tagged_step(model, optimizer, x, lam):
+    tag = f"run-{RUN_SCALE:.1f}"  # a format spec a symbolic float does not take
+    return _step(model, optimizer, x * lam * RUN_SCALE) if tag else None
+
+
+def test_a_float_global_that_cannot_be_an_input_leaves_the_float_arguments_inputs(fake_mesh):
+    """A float global read where a symbolic float cannot go is traced with its value (guarded: a change
+    compiles again), and the step's float arguments stay inputs (one graph for every ``lam``)."""
+    global RUN_SCALE
+    model, optimizer, step, x = _compiled(fake_mesh, _tagged_step)
+    with pytest.warns(UserWarning, match=r"the floats _tagged_step reads from globals and attributes \(global RUN_SCALE of test_guards\) are constants"):
+        step(model, optimizer, x, 0.5)
+    first = step.last
+    step(model, optimizer, x, 0.25)
+    assert step.last is first
+    assert [str(hp) for hp in first.traced.hyperparameters if "lam" in str(hp)] == ["argument lam"]
+    try:
+        RUN_SCALE = 2.0
+        with pytest.warns(UserWarning, match=r"global RUN_SCALE of test_guards == 1.0 \(now 2.0\)"):
+            step(model, optimizer, x, 0.25)
+        assert step.last is not first
+    finally:
+        RUN_SCALE = 1.0
+
+
 def _counter_step(model, optimizer, x, i):
     return _step(model, optimizer, x) if i >= 0 else None
 
