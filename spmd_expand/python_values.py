@@ -731,10 +731,16 @@ def class_attribute_reads(functions: list[Callable], classes: Sequence[type], de
     return result
 
 
-def _stores(fn: types.FunctionType) -> Iterator[tuple[str, str, str]]:
+def _stores(fn: types.FunctionType) -> tuple[tuple[str, str, str], ...]:
     """("global" | "cell", name, "file:line") for each global or closure variable ``fn``'s code (and
     its nested code) assigns or deletes (``STORE_GLOBAL`` / ``STORE_DEREF`` of a free variable)."""
-    stack = [fn.__code__]
+    return _code_stores(fn.__code__)
+
+
+@functools.lru_cache(maxsize=4096)  # code objects are immutable (as _loads)
+def _code_stores(code: types.CodeType) -> tuple[tuple[str, str, str], ...]:
+    found = []
+    stack = [code]
     while stack:
         c = stack.pop()
         for ins in dis.get_instructions(c):
@@ -742,8 +748,9 @@ def _stores(fn: types.FunctionType) -> Iterator[tuple[str, str, str]]:
                 ins.opname in ("STORE_DEREF", "DELETE_DEREF") and ins.argval in c.co_freevars
             ):
                 line = ins.positions.lineno if ins.positions is not None else c.co_firstlineno
-                yield ("global" if "GLOBAL" in ins.opname else "cell"), ins.argval, f"{c.co_filename}:{line}"
+                found.append(("global" if "GLOBAL" in ins.opname else "cell", ins.argval, f"{c.co_filename}:{line}"))
         stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return tuple(found)
 
 
 def settings_variables(functions: list[Callable], depth: int = FOLLOW_DEPTH) -> list[tuple[str, Any, Callable[[], Any]]]:
@@ -945,16 +952,17 @@ class _AttributeSlot:
         object.__setattr__(self.holder(), self.name, value)
 
 
-def _stored_attribute_names(code: types.CodeType) -> Iterator[str]:
+@functools.lru_cache(maxsize=4096)  # code objects are immutable (as _loads)
+def _stored_attribute_names(code: types.CodeType) -> frozenset[str]:
     """The attribute names ``code`` and its nested code objects assign or delete (``STORE_ATTR`` /
     ``DELETE_ATTR``: ``self.t = ...``, ``args.scale *= 0.9``)."""
+    found = set()
     stack = [code]
     while stack:
         c = stack.pop()
-        for ins in dis.get_instructions(c):
-            if ins.opname in ("STORE_ATTR", "DELETE_ATTR"):
-                yield ins.argval
+        found.update(ins.argval for ins in dis.get_instructions(c) if ins.opname in ("STORE_ATTR", "DELETE_ATTR"))
         stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return frozenset(found)
 
 
 def _element_writer(holder: Callable[[], Any], key: Any) -> Callable[[Any], None]:
