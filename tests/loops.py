@@ -603,6 +603,8 @@ class HFStudent(nn.Module):
             max_position_embeddings=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=4,
         )
         self.bert = transformers.BertForSequenceClassification(config)
+        # Fed embeddings, the token embedding table is unused: frozen and left out of the optimizer.
+        self.bert.bert.embeddings.word_embeddings.weight.requires_grad_(False)
         self.temperature = 2.0
 
     def forward(self, x):
@@ -1035,7 +1037,10 @@ SCENARIOS: dict[str, dict] = {
     "global_tensor_constants": dict(step=global_tensors_step, between=change_global_tensors),
     # Floats the step reads from a global, a settings object and a module attribute are graph inputs:
     # annealed before every call, one compilation.
-    "hf_distillation_annealed": dict(model_fn=HFStudent, step=distillation_step, between=anneal_distillation),
+    "hf_distillation_annealed": dict(
+        model_fn=HFStudent, step=distillation_step, between=anneal_distillation,
+        optimizer_fn=lambda ps: torch.optim.AdamW([p for p in ps if p.requires_grad], lr=1e-2, weight_decay=0.1),
+    ),
     "lookahead_attribute_count_adamw": dict(
         optimizer_fn=lambda ps: AttributeCountedLookahead(torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)), steps=5
     ),
