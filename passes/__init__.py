@@ -3,6 +3,9 @@
 ==========================  ======  ==============================================================
 name                        stage   what it does
 ==========================  ======  ==============================================================
+``sync_batch_norm``         global  a training BatchNorm's statistics as per-channel sums split on
+                                    the batch (all-reduced, as ``nn.SyncBatchNorm``), instead of
+                                    its input all-gathered (:mod:`.sync_batch_norm`)
 ``regather_for_backward``   global  FSDP ``reshard_after_forward``: parameters gathered again per
                                     region (blocks' by default; :mod:`.regather`)
 ``horizontal_fusion``       global  the optimizer's per-parameter 0-d arithmetic (bias corrections,
@@ -14,7 +17,7 @@ name                        stage   what it does
                                     one block ahead (:mod:`.overlap`)
 ==========================  ======  ==============================================================
 
-``spmd.compile(passes="default")`` runs all four; ``passes=[...]`` takes names and pass objects
+``spmd.compile(passes="default")`` runs all five; ``passes=[...]`` takes names and pass objects
 (:class:`SpmdPass` instances, or plain callables on the local graph); ``passes=[]`` runs none.
 :func:`default_passes` builds the default list with some disabled by name.
 """
@@ -29,6 +32,7 @@ from .horizontal_fusion import HorizontalFusion
 from .manager import FunctionPass, PassContext, PassRecord, SpmdPass, run_passes
 from .overlap import OverlapCollectives
 from .regather import RegatherForBackward
+from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     "SpmdPass",
@@ -41,12 +45,14 @@ __all__ = [
     "default_passes",
     "resolve_passes",
     "RegatherForBackward",
+    "SyncBatchNorm",
     "HorizontalFusion",
     "BucketCollectives",
     "OverlapCollectives",
 ]
 
 PASSES: dict[str, Callable[[], SpmdPass]] = {
+    SyncBatchNorm.name: SyncBatchNorm,
     RegatherForBackward.name: RegatherForBackward,
     HorizontalFusion.name: HorizontalFusion,
     BucketCollectives.name: BucketCollectives,
@@ -54,7 +60,7 @@ PASSES: dict[str, Callable[[], SpmdPass]] = {
 }
 """Pass name -> factory of the pass with its default settings."""
 
-DEFAULT_PASSES = ("regather_for_backward", "horizontal_fusion", "bucketing", "overlap")
+DEFAULT_PASSES = ("sync_batch_norm", "regather_for_backward", "horizontal_fusion", "bucketing", "overlap")
 """What ``passes="default"`` runs."""
 
 PassSpec = Union[str, SpmdPass, Callable[..., Any]]

@@ -9,6 +9,7 @@ suites (test_parity, test_training_loops, ...), which compile with the default p
 from __future__ import annotations
 
 import operator
+import types
 
 import pytest
 import torch
@@ -336,9 +337,9 @@ def test_pass_selection_errors():
         resolve_passes(["overlap", "overlap"])
     with pytest.raises(spmd.PassError, match="cannot disable"):
         default_passes(disable=["nope"])
-    assert default_passes(disable=["overlap"]) == ["regather_for_backward", "horizontal_fusion", "bucketing"]
+    assert default_passes(disable=["overlap"]) == ["sync_batch_norm", "regather_for_backward", "horizontal_fusion", "bucketing"]
     global_passes, local_passes = resolve_passes("default")
-    assert [p.name for p in global_passes] == ["regather_for_backward", "horizontal_fusion"]
+    assert [p.name for p in global_passes] == ["sync_batch_norm", "regather_for_backward", "horizontal_fusion"]
     assert [p.name for p in local_passes] == ["bucketing", "overlap"]
 
 
@@ -524,3 +525,69 @@ def test_bucketing_places_buckets_alike_on_every_rank():
     for r in per_rank:
         for k, v in r["ref_params"].items():
             torch.testing.assert_close(r["params"][k], v.detach(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
+def _conv_bn_step(mesh, plan, passes, dtype=torch.float32):
+    """A conv net with two BatchNorm2d (affine, running statistics) and one BatchNorm1d without affine
+    or running statistics, in train mode, compiled on the fake process group."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 6, 3, padding=1), torch.nn.BatchNorm2d(6), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+        torch.nn.BatchNorm1d(6, affine=False, track_running_stats=False), torch.nn.Linear(6, 5),
+    ).to(dtype)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(model, optimizer, x, y):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    compiled = spmd.compile(mesh=mesh, plan=plan, lower="eager", passes=passes)(step)
+    compiled(model, optimizer, torch.randn(2, 3, 8, 8, dtype=dtype), torch.randint(0, 5, (2,)))
+    return compiled
+
+
+_BATCH_NORM_OPS = (
+    torch.ops.aten._native_batch_norm_legit_functional.default,
+    torch.ops.aten._native_batch_norm_legit.no_stats,
+    torch.ops.aten.native_batch_norm_backward.default,
+)
+
+
+def test_sync_batch_norm_keeps_activations_on_their_ranks(world):
+    """Under DDP the BatchNorms' inputs were all-gathered (DTensor has no batch-sharded batch-norm
+    strategy); with the pass each BatchNorm all-reduces four per-channel sums and nothing is gathered."""
+    before = _conv_bn_step(world, spmd.DDP(), [])
+    after = _conv_bn_step(world, spmd.DDP(), ["sync_batch_norm"])
+    assert collective_stats(before.last.local_graph).as_dict()["all_gather"]["count"] > 0
+    stats = collective_stats(after.last.local_graph).as_dict()
+    assert set(stats) == {"all_reduce"}, stats
+    statistics = [
+        n for n in after.last.local_graph.graph.nodes
+        if n.op == "call_function" and n.target is torch.ops._c10d_functional.all_reduce.default
+        and n.meta["val"].numel() in (8, 6) and n.args[0].target is torch.ops.aten.sum.dim_IntList
+    ]
+    assert len(statistics) == 4 * 3, [n.args[0].name for n in statistics]  # three BatchNorms, 4 sums each
+    traced = after.last.traced.graph_module.graph
+    assert not [n for n in traced.nodes if n.target in _BATCH_NORM_OPS]
+    record = after.last.passes[0]
+    assert record.name == "sync_batch_norm" and record.modified
+
+
+def test_sync_batch_norm_runs_once_and_only_where_the_batch_is_split(world):
+    from spmd_expand.passes.sync_batch_norm import SyncBatchNorm, sync_batch_norm
+
+    step = _conv_bn_step(world, spmd.DDP(), [])
+    gm = copy_graph_module(step.last.traced.graph_module)
+    assert sync_batch_norm(gm, (0,)) == 6  # three forward ops, three backward ops
+    assert sync_batch_norm(gm, (0,)) == 0
+    # A plan that shards no batch (tensor parallel): the fused ops stay.
+    tp = PassContext(world, types.SimpleNamespace(data_parallel_dims=[]), step.last.traced)
+    fresh = copy_graph_module(step.last.traced.graph_module)
+    _, records = run_passes(fresh, [SyncBatchNorm()], tp)
+    assert not records[0].modified
+    assert [n for n in fresh.graph.nodes if n.target in _BATCH_NORM_OPS]

@@ -1,0 +1,233 @@
+"""``sync_batch_norm``: a training BatchNorm's statistics as sums over the batch, so each rank keeps its rows.
+
+A BatchNorm in train mode normalizes with the mean and variance of the whole batch. DTensor has no
+batch-sharded strategy for the fused batch-norm ops (``batch_norm_strategy`` and
+``batch_norm_backward_strategy`` in ``torch/distributed/tensor/_ops/_math_ops.py`` keep the reduced
+dims whole), so under a data-parallel plan each BatchNorm's input was all-gathered, forward and
+backward: a ResNet-18 under DDP moved every BatchNorm's activations (and their gradients) between
+the ranks on every step.
+
+This global pass writes each training BatchNorm (``aten._native_batch_norm_legit_functional``,
+``aten._native_batch_norm_legit.no_stats``) and its backward (``aten.native_batch_norm_backward``)
+as the sums they are made of, which DTensor splits on the batch like any reduction (a sum over a
+batch-sharded dim is ``Partial``; the elementwise ops after it all-reduce it first). Each rank then
+normalizes its own rows with the global statistics, and the step communicates what
+``nn.SyncBatchNorm`` communicates (Ioffe & Szegedy 2015's statistics, synchronized as torch's
+``SyncBatchNorm`` does): per BatchNorm, one all-reduce of the per-channel sum and one of the sum of
+squared deviations forward, and one of each of the two per-channel sums backward; ``C`` floats each.
+
+Arithmetic, per channel over the ``n = numel / C`` values of the reduced dims (batch and spatial):
+
+* forward (two passes, as torch's CPU kernel computes the variance): ``mean = sum(x) / n``,
+  ``var_sum = sum((x - mean)^2)``, ``rstd = rsqrt(var_sum / n + eps)``,
+  ``y = (x - mean) * rstd * weight + bias``; running statistics
+  ``(1 - momentum) * running + momentum * stat`` with the unbiased variance ``var_sum / (n - 1)``;
+* backward (``native_batch_norm_backward`` in ``torch/_decomp/decompositions.py``):
+  ``sum_dy = sum(dy)``, ``dot = sum(dy * (x - mean))``,
+  ``dx = (dy - sum_dy / n - (x - mean) * dot / n * rstd^2) * rstd * weight``,
+  ``dweight = dot * rstd``, ``dbias = sum_dy``.
+
+Half-precision inputs compute in float32, as the fused kernels do. Results equal the fused op's up
+to float rounding (a different summation order). Runs only under a plan that shards the batch
+(``DDP``, ``FSDP``, ``HSDP``, the data-parallel dim of a 2-D plan); elsewhere the fused ops stay.
+Disable it with ``spmd.compile(passes=spmd.default_passes(disable=["sync_batch_norm"]))``.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch._prims_common import get_computation_dtype
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.infra.pass_base import PassResult
+
+from ..errors import PassError
+from ..ops import LAYOUT
+from .manager import SpmdPass
+
+__all__ = ["SyncBatchNorm", "sync_batch_norm"]
+
+aten = torch.ops.aten
+
+_FORWARD = aten._native_batch_norm_legit_functional.default
+_FORWARD_NO_STATS = aten._native_batch_norm_legit.no_stats
+_BACKWARD = aten.native_batch_norm_backward.default
+
+
+def _reduced(x: torch.Tensor) -> tuple[list[int], Any, list[int]]:
+    """(the dims a BatchNorm reduces over, their element count n, the shape that broadcasts a
+    per-channel vector against ``x``)."""
+    dims = [0, *range(2, x.dim())]
+    n = 1
+    for d in dims:
+        n = n * x.shape[d]
+    shape = [1] * x.dim()
+    shape[1] = x.shape[1]
+    return dims, n, shape
+
+
+def _replicated(t: torch.Tensor, mesh_dims: Sequence[int]) -> torch.Tensor:
+    """``t`` asked to be ``Replicate`` on each data-parallel mesh dim: a per-channel sum over the batch
+    is all-reduced here, once, and everything computed from it is replicated (without the marker,
+    DTensor would all-reduce it again for each later use, or all-gather the activation it meets)."""
+    for mesh_dim in mesh_dims:
+        t = LAYOUT(t, mesh_dim, "R")
+    return t
+
+
+def _statistics(x: torch.Tensor, eps: float, mesh_dims: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    """``(mean, rstd, var_sum, n)`` of ``x`` per channel (keepdim shape), in two passes."""
+    dims, n, _ = _reduced(x)
+    mean = _replicated(torch.sum(x, dims, keepdim=True), mesh_dims) / n
+    centered = x - mean
+    var_sum = _replicated(torch.sum(centered * centered, dims, keepdim=True), mesh_dims)
+    rstd = torch.rsqrt(var_sum / n + eps)
+    return mean, rstd, var_sum, n
+
+
+def _normalize(x, weight, bias, eps, mesh_dims):
+    dims, _, shape = _reduced(x)
+    acc = x.to(get_computation_dtype(x.dtype))
+    mean, rstd, var_sum, n = _statistics(acc, eps, mesh_dims)
+    out = (acc - mean) * rstd
+    if weight is not None:
+        out = out * weight.reshape(shape)
+    if bias is not None:
+        out = out + bias.reshape(shape)
+    return out.to(x.dtype), mean.squeeze(dims), rstd.squeeze(dims), var_sum.squeeze(dims), n
+
+
+def _forward(mesh_dims, x, weight, bias, running_mean, running_var, training, momentum, eps):
+    """``_native_batch_norm_legit_functional`` in train mode: (out, save_mean, save_rstd, new
+    running_mean, new running_var)."""
+    out, mean, rstd, var_sum, n = _normalize(x, weight, bias, eps, mesh_dims)
+    new_mean = (running_mean * (1 - momentum) + mean * momentum).to(running_mean.dtype)
+    new_var = (running_var * (1 - momentum) + (var_sum / (n - 1)) * momentum).to(running_var.dtype)
+    return out, mean, rstd, new_mean, new_var
+
+
+def _forward_no_stats(mesh_dims, x, weight, bias, training, momentum, eps):
+    """``_native_batch_norm_legit.no_stats`` in train mode: (out, save_mean, save_rstd)."""
+    out, mean, rstd, _, _ = _normalize(x, weight, bias, eps, mesh_dims)
+    return out, mean, rstd
+
+
+def _backward(mesh_dims, dy, x, weight, running_mean, running_var, save_mean, save_rstd, train, eps, output_mask):
+    """``native_batch_norm_backward`` in train mode: (grad_input, grad_weight, grad_bias)."""
+    dims, n, shape = _reduced(x)
+    acc = get_computation_dtype(x.dtype)
+    dy_acc, x_acc = dy.to(acc), x.to(acc)
+    mean, rstd = save_mean.to(acc).reshape(shape), save_rstd.to(acc).reshape(shape)
+    centered = x_acc - mean
+    sum_dy = _replicated(torch.sum(dy_acc, dims), mesh_dims)
+    dot = _replicated(torch.sum(dy_acc * centered, dims), mesh_dims)
+    scale = rstd if weight is None else rstd * weight.to(acc).reshape(shape)
+    projection = centered * ((dot / n).reshape(shape) * rstd * rstd)
+    grad_input = ((dy_acc - projection) - (sum_dy / n).reshape(shape)) * scale
+    weight_dtype = weight.dtype if weight is not None else x.dtype
+    grad_weight = (dot * save_rstd.to(acc)).to(weight_dtype) if output_mask[1] else None
+    grad_bias = sum_dy.to(weight_dtype) if output_mask[2] else None
+    return grad_input.to(x.dtype), grad_weight, grad_bias
+
+
+def _training(node: fx.Node) -> bool:
+    if node.target is _FORWARD or node.target is _FORWARD_NO_STATS:
+        return bool(node.args[5] if node.target is _FORWARD else node.args[3])
+    return node.target is _BACKWARD and bool(node.args[7])
+
+
+_DECOMPOSITIONS: dict[Any, Callable] = {_FORWARD: _forward, _FORWARD_NO_STATS: _forward_no_stats, _BACKWARD: _backward}
+
+
+def _splice(graph: fx.Graph, node: fx.Node, fn: Callable) -> tuple[list[Optional[fx.Node]], list[fx.Node]]:
+    """Trace ``fn`` over ``node``'s arguments (their fake values, symbolic sizes kept) and insert the
+    traced ops before ``node``; returns the nodes of its results (None where it returns None) and
+    every node inserted."""
+    tensors = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node)]
+
+    def call(*values: Any) -> Any:
+        args = list(node.args)
+        for i, v in zip(tensors, values):
+            args[i] = v
+        return fn(*args)
+
+    sub = make_fx(call, tracing_mode="symbolic")(*[node.args[i].meta["val"] for i in tensors])
+    env: dict[fx.Node, Any] = {}
+    inputs = iter(node.args[i] for i in tensors)
+    results: list = []
+    created: list[fx.Node] = []
+    with graph.inserting_before(node):
+        for n in sub.graph.nodes:
+            if n.op == "placeholder":
+                env[n] = next(inputs)
+            elif n.op == "output":
+                results = list(fx.node.map_arg(n.args[0], lambda a: env[a]))
+            elif n.op == "call_function":
+                new = graph.call_function(n.target, *fx.node.map_arg((n.args, n.kwargs), lambda a: env[a]))
+                new.meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
+                if "val" in n.meta:
+                    new.meta["val"] = n.meta["val"]
+                env[n] = new
+                created.append(new)
+            else:
+                raise PassError(f"pass 'sync_batch_norm': the decomposition of {node.target} has a {n.op} node")
+    return results, created
+
+
+def sync_batch_norm(gm: fx.GraphModule, mesh_dims: Sequence[int]) -> int:
+    """Write every training BatchNorm forward and backward of ``gm`` as its sums (module docstring),
+    each sum asked to be ``Replicate`` on ``mesh_dims`` (the plan's data-parallel mesh dims).
+
+    Returns the number of ops rewritten. Idempotent: a second run finds none.
+    """
+    graph = gm.graph
+    rewritten = 0
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in _DECOMPOSITIONS and _training(n)]:
+        results, created = _splice(graph, node, functools.partial(_DECOMPOSITIONS[node.target], tuple(mesh_dims)))
+        for user in list(node.users):
+            if user.target is not operator.getitem:
+                raise PassError(f"pass 'sync_batch_norm': {user.name} reads {node.name}'s results as a whole")
+            replacement = results[user.args[1]]
+            if replacement is None:
+                raise PassError(f"pass 'sync_batch_norm': {user.name} reads a result {node.name} does not compute")
+            user.replace_all_uses_with(replacement)
+            graph.erase_node(user)
+        graph.erase_node(node)
+        for new in reversed(created):  # results nothing reads (an unused running statistic, a masked gradient)
+            if not new.users:
+                graph.erase_node(new)
+        rewritten += 1
+    if rewritten:
+        graph.lint()
+        gm.recompile()
+    return rewritten
+
+
+class SyncBatchNorm(SpmdPass):
+    """Global pass: training BatchNorms as per-channel sums DTensor splits on the batch (see
+    :mod:`.sync_batch_norm`); a no-op under a plan that does not shard the batch.
+
+    Ensures no training batch-norm op is left.
+    """
+
+    name = "sync_batch_norm"
+    stage = "global"
+
+    def _applies(self, gm: fx.GraphModule) -> bool:
+        return bool(self.context(gm).plan.data_parallel_dims)
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        if not self._applies(gm):
+            return PassResult(gm, False)
+        return PassResult(gm, sync_batch_norm(gm, self.context(gm).plan.data_parallel_dims) > 0)
+
+    def ensures(self, gm: fx.GraphModule) -> None:
+        if not self._applies(gm):
+            return
+        left = [n.name for n in gm.graph.nodes if n.op == "call_function" and n.target in _DECOMPOSITIONS and _training(n)]
+        if left:
+            raise PassError(f"pass 'sync_batch_norm': training batch-norm ops left: {left}")
