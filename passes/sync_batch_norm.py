@@ -93,6 +93,10 @@ def _normalize(x, weight, bias, eps, mesh_dims):
     dims, _, shape = _reduced(x)
     acc = x.to(get_computation_dtype(x.dtype))
     mean, rstd, var_sum, n = _statistics(acc, eps, mesh_dims)
+    # CPU's kernel keeps the statistics in the parameters' dtype (bfloat16 for a bfloat16 model) and
+    # normalizes with those rounded values.
+    saved = (weight if weight is not None else x).dtype
+    mean, rstd = mean.to(saved).to(acc.dtype), rstd.to(saved).to(acc.dtype)
     out = (acc - mean) * rstd
     if weight is not None:
         out = out * weight.reshape(shape)
@@ -105,8 +109,9 @@ def _forward(mesh_dims, x, weight, bias, running_mean, running_var, training, mo
     """``_native_batch_norm_legit_functional`` in train mode: (out, save_mean, save_rstd, new
     running_mean, new running_var)."""
     out, mean, rstd, var_sum, n = _normalize(x, weight, bias, eps, mesh_dims)
-    new_mean = (running_mean * (1 - momentum) + mean * momentum).to(running_mean.dtype)
-    new_var = (running_var * (1 - momentum) + (var_sum / (n - 1)) * momentum).to(running_var.dtype)
+    # In the computation dtype, rounded once to the buffers' (as the fused kernel updates them).
+    new_mean = running_mean.to(mean.dtype) * (1 - momentum) + mean * momentum
+    new_var = running_var.to(mean.dtype) * (1 - momentum) + (var_sum / (n - 1)) * momentum
     return out, mean, rstd, new_mean, new_var
 
 
@@ -149,11 +154,15 @@ def _splice(graph: fx.Graph, node: fx.Node, fn: Callable) -> tuple[list[Optional
     every node inserted."""
     tensors = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node)]
 
+    dtypes = [getattr(v, "dtype", None) for v in node.meta["val"]]
+
     def call(*values: Any) -> Any:
         args = list(node.args)
         for i, v in zip(tensors, values):
             args[i] = v
-        return fn(*args)
+        # Each result in the fused op's dtype (CPU's kernel saves a bfloat16 input's statistics in
+        # bfloat16, and its backward reads them so rounded).
+        return [r if r is None else r.to(dtype) for r, dtype in zip(fn(*args), dtypes)]
 
     sub = make_fx(call, tracing_mode="symbolic")(*[node.args[i].meta["val"] for i in tensors])
     env: dict[fx.Node, Any] = {}

@@ -34,6 +34,13 @@ CASES = (
 )
 
 
+# The bias of the layer before F.batch_norm has a gradient of zero in exact arithmetic (the batch
+# mean is subtracted): a cancelling sum of 8 terms of order 1, whose float32 rounding (~1e-6) depends
+# on the order of the sums. Under DDP the sync_batch_norm pass sums each rank's rows first (eager's
+# fused kernel happens to land on exactly 0 here).
+GRAD_ATOL = {"batch_norm_functional": 1e-5}
+
+
 @pytest.mark.parametrize("plan,name", CASES)
 def test_gradients_match_one_device(results, plan, name):
     for rank, per_loss in enumerate(results(plan)):
@@ -41,4 +48,5 @@ def test_gradients_match_one_device(results, plan, name):
         assert "error" not in r, f"rank {rank}:\n{r['error']}"
         torch.testing.assert_close(r["loss"], r["ref_loss"], rtol=1e-5, atol=1e-6)
         for i, (grad, ref) in enumerate(zip(r["grads"], r["ref_grads"])):
-            torch.testing.assert_close(grad, ref, rtol=1e-4, atol=1e-6, msg=lambda m: f"gradient {i}: {m}")
+            atol = GRAD_ATOL.get(name, 1e-6)
+            torch.testing.assert_close(grad, ref, rtol=1e-4, atol=atol, msg=lambda m: f"gradient {i}: {m}")

@@ -1,0 +1,180 @@
+"""A ResNet-shaped CNN with BatchNorm under DDP: communication and step time, with and without the
+``sync_batch_norm`` pass, against torch DDP with ``nn.SyncBatchNorm``, on 2 gloo ranks.
+
+Every variant trains the same CNN (ResNet-18's layout: a 3x3 stem and four stages of two basic blocks,
+widths ``--width`` x 1, 2, 4, 8, BatchNorm after every convolution; same seed) with SGD (momentum 0.9)
+on the same global batch split over 2 local CPU ranks (one intra-op thread each). All of them
+normalize with the statistics of the global batch, as one device does:
+
+* ``spmd_ddp``: ``spmd.compile`` with ``spmd.DDP()`` and the default passes (``sync_batch_norm``
+  among them: per BatchNorm four all-reduces of per-channel sums);
+* ``spmd_ddp_no_sync_batch_norm``: the same without that pass (DTensor's batch-norm strategies: each
+  BatchNorm's input all-gathered, forward and backward);
+* ``torch_ddp_sync_batch_norm``: ``DistributedDataParallel`` over the model converted with
+  ``nn.SyncBatchNorm.convert_sync_batchnorm`` (eager; the usual way to get global statistics);
+* ``local_floor``: one process over the *local* batch with plain BatchNorm, no communication: the
+  compute floor.
+
+``--lower`` picks the spmd lowering (default ``eager``: Inductor takes minutes on 2 cores for this
+model). After warm-up, ``--rounds`` rounds run one step of every variant each, interleaved after a
+barrier; times are medians (p10/p90) of rank 0's wall time per step. Prints one JSON object: per
+variant the times, the ratio to ``torch_ddp_sync_batch_norm`` and to ``local_floor``, and for the spmd
+variants the collectives per step and the FLOPs of rank 0's convolutions relative to one device's
+(``conv_flops_per_rank_vs_one_device``: 1/W when every convolution reads only its rank's rows).
+Run: ``python bench/batch_norm.py [--rounds 20] [--width 16] [--batch 32] [--size 32] [--lower eager]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spmd_expand as spmd
+from spmd_expand.app.launch import run_local
+from spmd_expand.graph_stats import collective_stats
+from spmd_expand.passes import default_passes
+
+WORLD = 2
+WARMUP = 2
+
+
+class _Block(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
+
+
+def resnet18(width: int, classes: int = 10) -> nn.Module:
+    """ResNet-18's layout at ``width`` channels in the stem (torchvision's has 64), 3x3 stem."""
+    widths = [width, 2 * width, 4 * width, 8 * width]
+    layers: list[nn.Module] = [nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU()]
+    cin = width
+    for i, w in enumerate(widths):
+        layers += [_Block(cin, w, 1 if i == 0 else 2), _Block(w, w, 1)]
+        cin = w
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
+    return nn.Sequential(*layers)
+
+
+def _step(model, optimizer, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def _conv_flops(gm) -> int:
+    from torch.utils.flop_counter import flop_registry
+    import torch.utils._pytree as pytree
+    from spmd_expand.spec import concrete
+
+    total = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "overloadpacket", None) not in (
+            torch.ops.aten.convolution, torch.ops.aten.convolution_backward
+        ):
+            continue
+        args, kwargs = pytree.tree_map(lambda a: a.meta["val"] if hasattr(a, "meta") else a, (node.args, node.kwargs))
+        total += int(concrete(flop_registry[node.target.overloadpacket](*args, **kwargs, out_val=node.meta["val"])))
+    return total
+
+
+def worker(rank: int, world: int, args: dict) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    base = resnet18(args["width"])
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(args["batch"], 3, args["size"], args["size"], generator=g)
+    y = torch.randint(0, 10, (args["batch"],), generator=g)
+    local = args["batch"] // world
+    xl, yl = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
+    mesh = init_device_mesh("cpu", (world,))
+    variants = {}
+    for name, passes in (("spmd_ddp", "default"), ("spmd_ddp_no_sync_batch_norm", default_passes(disable=["sync_batch_norm"]))):
+        model = copy.deepcopy(base)
+        optimizer = _sgd(model)
+        step = spmd.compile(mesh=mesh, plan=spmd.DDP(), passes=passes, lower=args["lower"])(_step)
+        variants[name] = ((lambda s=step, m=model, o=optimizer: s(m, o, xl, yl)), step)
+    model = DistributedDataParallel(nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(base)))
+    optimizer = _sgd(model)
+    variants["torch_ddp_sync_batch_norm"] = ((lambda m=model, o=optimizer: _step(m, o, xl, yl)), None)
+    model = copy.deepcopy(base)
+    optimizer = _sgd(model)
+    variants["local_floor"] = ((lambda m=model, o=optimizer: _step(m, o, xl, yl)), None)
+
+    warmup_s = {}
+    for name, (run, _) in variants.items():
+        start = time.perf_counter()
+        for _ in range(WARMUP):
+            run()
+        warmup_s[name] = time.perf_counter() - start
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args["rounds"]):
+        for name, (run, _) in variants.items():
+            dist.barrier()
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+
+    one_device = None
+    result = {}
+    for name, samples in times.items():
+        ordered = sorted(samples)
+        entry = {
+            "median_ms": 1e3 * statistics.median(samples),
+            "p10_ms": 1e3 * ordered[int(0.1 * (len(ordered) - 1))],
+            "p90_ms": 1e3 * ordered[int(0.9 * (len(ordered) - 1))],
+            "warmup_s": warmup_s[name],
+        }
+        step = variants[name][1]
+        if step is not None:
+            entry["collectives_per_step"] = collective_stats(step.last.local_graph).as_dict()
+            one_device = one_device or _conv_flops(step.last.traced.graph_module)
+            entry["conv_flops_per_rank_vs_one_device"] = round(_conv_flops(step.last.local_graph) / one_device, 4)
+        result[name] = entry
+    for entry in result.values():
+        for baseline in ("torch_ddp_sync_batch_norm", "local_floor"):
+            entry[f"ratio_to_{baseline}"] = entry["median_ms"] / result[baseline]["median_ms"]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=32, help="global batch")
+    parser.add_argument("--size", type=int, default=32, help="image height and width")
+    parser.add_argument("--lower", default="eager", choices=("eager", "inductor"))
+    args = vars(parser.parse_args())
+    variants = run_local(worker, WORLD, args, timeout_s=3600)[0]
+    print(json.dumps({"world_size": WORLD, "threads_per_rank": 1, "torch": torch.__version__, "config": args, "variants": variants}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
