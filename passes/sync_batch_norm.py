@@ -13,8 +13,9 @@ as the sums they are made of, which DTensor splits on the batch like any reducti
 batch-sharded dim is ``Partial``; the elementwise ops after it all-reduce it first). Each rank then
 normalizes its own rows with the global statistics, and the step communicates what
 ``nn.SyncBatchNorm`` communicates (Ioffe & Szegedy 2015's statistics, synchronized as torch's
-``SyncBatchNorm`` does): per BatchNorm, one all-reduce of the per-channel sum and one of the sum of
-squared deviations forward, and one of each of the two per-channel sums backward; ``C`` floats each.
+``SyncBatchNorm`` does): per BatchNorm, one all-reduce of the per-channel sum and then one of the
+sum of squared deviations forward (``C`` floats each), and one of the two per-channel sums of the
+backward together (``2C`` floats).
 
 Arithmetic, per channel over the ``n = numel / C`` values of the reduced dims (batch and spatial):
 
@@ -128,8 +129,9 @@ def _backward(mesh_dims, dy, x, weight, running_mean, running_var, save_mean, sa
     dy_acc, x_acc = dy.to(acc), x.to(acc)
     mean, rstd = save_mean.to(acc).reshape(shape), save_rstd.to(acc).reshape(shape)
     centered = x_acc - mean
-    sum_dy = _replicated(torch.sum(dy_acc, dims), mesh_dims)
-    dot = _replicated(torch.sum(dy_acc * centered, dims), mesh_dims)
+    # Both sums in one all-reduce (they are ready together), as nn.SyncBatchNorm's backward sends them.
+    sums = _replicated(torch.stack([torch.sum(dy_acc, dims), torch.sum(dy_acc * centered, dims)]), mesh_dims)
+    sum_dy, dot = sums[0], sums[1]
     scale = rstd if weight is None else rstd * weight.to(acc).reshape(shape)
     projection = centered * ((dot / n).reshape(shape) * rstd * rstd)
     grad_input = ((dy_acc - projection) - (sum_dy / n).reshape(shape)) * scale

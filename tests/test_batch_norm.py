@@ -78,7 +78,7 @@ def test_resnet18_ddp_eval_after_train(results):
 def test_resnet18_ddp_reduces_gradients_once(results):
     """Collectives of the DDP train step: no gradient is reduced twice and no activation is gathered.
     The all-reduced bytes are at most the parameter bytes plus the BatchNorm statistics (the
-    ``sync_batch_norm`` pass: four per-channel float32 sums per BatchNorm, two forward, two backward);
+    ``sync_batch_norm`` pass: per BatchNorm two per-channel float32 sums forward, one pair backward);
     nothing is all-gathered or reduce-scattered."""
     for r in _ranks(results, "resnet_ddp"):
         stats = r["train_collectives"]

@@ -560,18 +560,21 @@ _BATCH_NORM_OPS = (
 
 def test_sync_batch_norm_keeps_activations_on_their_ranks(world):
     """Under DDP the BatchNorms' inputs were all-gathered (DTensor has no batch-sharded batch-norm
-    strategy); with the pass each BatchNorm all-reduces four per-channel sums and nothing is gathered."""
+    strategy); with the pass each BatchNorm all-reduces two per-channel sums forward and the two sums of
+    its backward in one collective, and nothing is gathered."""
     before = _conv_bn_step(world, spmd.DDP(), [])
     after = _conv_bn_step(world, spmd.DDP(), ["sync_batch_norm"])
     assert collective_stats(before.last.local_graph).as_dict()["all_gather"]["count"] > 0
     stats = collective_stats(after.last.local_graph).as_dict()
     assert set(stats) == {"all_reduce"}, stats
-    statistics = [
+    all_reduces = [
         n for n in after.last.local_graph.graph.nodes
         if n.op == "call_function" and n.target is torch.ops._c10d_functional.all_reduce.default
-        and n.meta["val"].numel() in (8, 6) and n.args[0].target is torch.ops.aten.sum.dim_IntList
     ]
-    assert len(statistics) == 4 * 3, [n.args[0].name for n in statistics]  # three BatchNorms, 4 sums each
+    forward = [n for n in all_reduces if n.args[0].target is torch.ops.aten.sum.dim_IntList]
+    backward = [n for n in all_reduces if n.args[0].target is torch.ops.aten.stack.default]
+    assert sorted(n.meta["val"].numel() for n in forward) == [6, 6, 6, 6, 8, 8], forward  # 2 per BatchNorm
+    assert sorted(tuple(n.meta["val"].shape) for n in backward) == [(2, 6), (2, 6), (2, 8)], backward
     traced = after.last.traced.graph_module.graph
     assert not [n for n in traced.nodes if n.target in _BATCH_NORM_OPS]
     record = after.last.passes[0]
