@@ -86,10 +86,10 @@ CASES = {"gpt": _gpt, "resnet_bn": _cnn, "hf_gpt2": _hf_gpt2}
 PLANS = {"ddp": spmd.DDP, "fsdp": spmd.FSDP}
 
 
-def _compile(fake_mesh, case: str, plan: str):
+def _compile(fake_mesh, case: str, plan: str, passes=()):
     model, optimizer, batch, step_fn, forward_backward = CASES[case]()
     single_device = eager_flops(model, forward_backward)
-    step = spmd.compile(mesh=fake_mesh, plan=PLANS[plan](), lower="eager", passes=[])(step_fn)
+    step = spmd.compile(mesh=fake_mesh, plan=PLANS[plan](), lower="eager", passes=list(passes))(step_fn)
     step(model, optimizer, *(t[: t.shape[0] // W] for t in batch))  # rank 0's shard of the global batch
     return step, single_device
 
@@ -107,6 +107,18 @@ def test_flops_per_rank_are_one_over_world(fake_mesh, case, plan):
         f"{case} under {plan}: a rank does {ratio:.2f}/W of the single-device FLOPs "
         f"({local_flops} of {global_flops}); collectives {collective_stats(step.last.local_graph).as_dict()}"
     )
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_resnet_with_sync_batch_norm_divides_the_work(fake_mesh, plan):
+    """With the sync_batch_norm pass (BatchNorms as per-channel sums all-reduced), a rank still does
+    1/W of the convolutions, and under DDP no activation is gathered."""
+    step, single_device = _compile(fake_mesh, "resnet_bn", plan, passes=["sync_batch_norm"])
+    ratio = graph_flops(step.last.local_graph) * W / single_device
+    assert ratio <= TOLERANCE, ratio
+    stats = collective_stats(step.last.local_graph).as_dict()
+    if plan == "ddp":
+        assert set(stats) == {"all_reduce"}, stats
 
 
 def test_resnet_convolutions_run_on_the_local_batch(fake_mesh):
