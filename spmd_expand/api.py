@@ -690,8 +690,8 @@ def compile(
         mesh: the ``DeviceMesh`` the plan refers to.
         plan: ``spmd.DDP(...)`` for a 1-D mesh, or ``{mesh_dim_name: style}``.
         lower: ``"inductor"`` (default) or ``"eager"`` (run the expanded fx graph as is).
-        passes: ``"default"`` (``regather_for_backward``, ``horizontal_fusion``, ``bucketing``,
-            ``overlap``; see :mod:`spmd_expand.passes`), or a list of pass names, ``SpmdPass`` objects
+        passes: ``"default"`` (``sync_batch_norm``, ``regather_for_backward``, ``horizontal_fusion``,
+            ``bucketing``, ``overlap``; see :mod:`spmd_expand.passes`), or a list of pass names, ``SpmdPass`` objects
             and callables on the local graph; ``[]`` runs none. ``spmd_expand.passes.default_passes(disable=[...])``
             drops some by name.
         module_override: :class:`Override` objects that swap untraceable submodules while tracing.

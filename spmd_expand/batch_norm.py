@@ -7,8 +7,11 @@ normalizes with the statistics of the *global* batch and updates ``running_mean`
 module swap. DTensor's strategies for the batch-norm ops (``batch_norm_strategy`` and
 ``batch_norm_backward_strategy`` in ``torch/distributed/tensor/_ops/_math_ops.py``) keep the
 reduced dims whole: the input is either replicated or sharded on channels, never split on the
-batch, so a batch-sharded activation is all-gathered (or moved to channel shards) before the op and
-every statistic is exact. Buffers are replicated plain tensors, updated in place on every rank.
+batch, so a batch-sharded activation would be all-gathered (or moved to channel shards) before the
+op. Under a plan that shards the batch the default pass ``sync_batch_norm``
+(:mod:`spmd_expand.passes.sync_batch_norm`) writes the op as per-channel sums instead, all-reduced
+as ``nn.SyncBatchNorm`` does. Either way every statistic is the global batch's. Buffers are
+replicated plain tensors, updated in place on every rank.
 
 :func:`traceable_batch_norms` wraps tracing and deals with:
 
