@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 import spmd_expand as spmd
 from spmd_expand.app.launch import run_local
+from spmd_expand.app.models import classification_step
 from spmd_expand.graph_stats import collective_stats
 from spmd_expand.passes import default_passes
 
@@ -73,14 +74,6 @@ def resnet18(width: int, classes: int = 10) -> nn.Module:
         cin = w
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
     return nn.Sequential(*layers)
-
-
-def _step(model, optimizer, x, y):
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
 
 
 def _sgd(model):
@@ -120,14 +113,14 @@ def worker(rank: int, world: int, args: dict) -> dict:
     for name, passes in (("spmd_ddp", "default"), ("spmd_ddp_no_sync_batch_norm", default_passes(disable=["sync_batch_norm"]))):
         model = copy.deepcopy(base)
         optimizer = _sgd(model)
-        step = spmd.compile(mesh=mesh, plan=spmd.DDP(), passes=passes, lower=args["lower"])(_step)
+        step = spmd.compile(mesh=mesh, plan=spmd.DDP(), passes=passes, lower=args["lower"])(classification_step)
         variants[name] = ((lambda s=step, m=model, o=optimizer: s(m, o, xl, yl)), step)
     model = DistributedDataParallel(copy.deepcopy(base))
     optimizer = _sgd(model)
-    variants["torch_ddp"] = ((lambda m=model, o=optimizer: _step(m, o, xl, yl)), None)
+    variants["torch_ddp"] = ((lambda m=model, o=optimizer: classification_step(m, o, xl, yl)), None)
     model = copy.deepcopy(base)
     optimizer = _sgd(model)
-    variants["local_floor"] = ((lambda m=model, o=optimizer: _step(m, o, xl, yl)), None)
+    variants["local_floor"] = ((lambda m=model, o=optimizer: classification_step(m, o, xl, yl)), None)
 
     warmup_s = {}
     for name, (run, _) in variants.items():

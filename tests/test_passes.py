@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 import spmd_expand as spmd
+from spmd_expand.app.models import classification_step
 from spmd_expand.graph_stats import collective_stats
 from spmd_expand.ops import UNSHARD
 from spmd_expand.passes import (
@@ -488,7 +489,6 @@ def _uneven_root_worker(rank: int, world: int) -> dict:
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from spmd_expand.app.models import classification_step
     from spmd_expand.rank_check import collective_entries
 
     mesh = init_device_mesh("cpu", (world,))
@@ -527,7 +527,7 @@ def test_bucketing_places_buckets_alike_on_every_rank():
             torch.testing.assert_close(r["params"][k], v.detach(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
 
 
-def _conv_bn_step(mesh, plan, passes, dtype=torch.float32):
+def _conv_bn_step(mesh, plan, passes):
     """A conv net with two BatchNorm2d (affine, running statistics) and one BatchNorm1d without affine
     or running statistics, in train mode, compiled on the fake process group."""
     torch.manual_seed(0)
@@ -536,18 +536,10 @@ def _conv_bn_step(mesh, plan, passes, dtype=torch.float32):
         torch.nn.Conv2d(8, 6, 3, padding=1), torch.nn.BatchNorm2d(6), torch.nn.ReLU(),
         torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
         torch.nn.BatchNorm1d(6, affine=False, track_running_stats=False), torch.nn.Linear(6, 5),
-    ).to(dtype)
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def step(model, optimizer, x, y):
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
-
-    compiled = spmd.compile(mesh=mesh, plan=plan, lower="eager", passes=passes)(step)
-    compiled(model, optimizer, torch.randn(2, 3, 8, 8, dtype=dtype), torch.randint(0, 5, (2,)))
+    compiled = spmd.compile(mesh=mesh, plan=plan, lower="eager", passes=passes)(classification_step)
+    compiled(model, optimizer, torch.randn(2, 3, 8, 8), torch.randint(0, 5, (2,)))
     return compiled
 
 
