@@ -41,11 +41,12 @@ import torch.nn.functional as F
 import spmd_expand as spmd
 from spmd_expand.app.launch import run_local
 from spmd_expand.app.models import classification_step
-from spmd_expand.graph_stats import collective_stats
+from spmd_expand.graph_stats import collective_stats, graph_flops
 from spmd_expand.passes import default_passes
 
 WORLD = 2
 WARMUP = 2
+_CONVOLUTIONS = (torch.ops.aten.convolution, torch.ops.aten.convolution_backward)
 
 
 class _Block(nn.Module):
@@ -78,22 +79,6 @@ def resnet18(width: int, classes: int = 10) -> nn.Module:
 
 def _sgd(model):
     return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-
-
-def _conv_flops(gm) -> int:
-    from torch.utils.flop_counter import flop_registry
-    import torch.utils._pytree as pytree
-    from spmd_expand.spec import concrete
-
-    total = 0
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or getattr(node.target, "overloadpacket", None) not in (
-            torch.ops.aten.convolution, torch.ops.aten.convolution_backward
-        ):
-            continue
-        args, kwargs = pytree.tree_map(lambda a: a.meta["val"] if hasattr(a, "meta") else a, (node.args, node.kwargs))
-        total += int(concrete(flop_registry[node.target.overloadpacket](*args, **kwargs, out_val=node.meta["val"])))
-    return total
 
 
 def worker(rank: int, world: int, args: dict) -> dict:
@@ -149,8 +134,8 @@ def worker(rank: int, world: int, args: dict) -> dict:
         step = variants[name][1]
         if step is not None:
             entry["collectives_per_step"] = collective_stats(step.last.local_graph).as_dict()
-            one_device = one_device or _conv_flops(step.last.traced.graph_module)
-            entry["conv_flops_per_rank_vs_one_device"] = round(_conv_flops(step.last.local_graph) / one_device, 4)
+            one_device = one_device or graph_flops(step.last.traced.graph_module, _CONVOLUTIONS)
+            entry["conv_flops_per_rank_vs_one_device"] = round(graph_flops(step.last.local_graph, _CONVOLUTIONS) / one_device, 4)
         result[name] = entry
     for entry in result.values():
         for baseline in ("torch_ddp", "local_floor"):

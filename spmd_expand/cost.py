@@ -70,8 +70,8 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
-from torch.utils.flop_counter import flop_registry
 
+from .graph_stats import node_flops
 from .spec import concrete
 
 __all__ = ["PEAK_FLOPS_PER_US", "MEMORY_BYTES_PER_US", "BatchSymbols", "NodeCost", "choosing_by_cost", "compute_us"]
@@ -140,14 +140,10 @@ def compute_us(node: fx.Node) -> float:
     vals = [v for v in pytree.tree_leaves((node.args, node.kwargs, node.meta.get("val")), is_leaf=lambda a: isinstance(a, fx.Node))]
     vals = [v.meta.get("val") if isinstance(v, fx.Node) else v for v in vals]
     moved = sum(_numel(v) * v.element_size() for v in vals if isinstance(v, torch.Tensor))
-    flops = 0
-    formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
-    if formula is not None:
-        args, kwargs = pytree.tree_map(lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
-        try:
-            flops = int(concrete(formula(*args, **kwargs, out_val=node.meta.get("val"))))
-        except Exception:  # noqa: BLE001 - an estimate; a formula that cannot read these args counts 0
-            flops = 0
+    try:
+        flops = node_flops(node)
+    except Exception:  # noqa: BLE001 - an estimate; a formula that cannot read these args counts 0
+        flops = 0
     return flops / PEAK_FLOPS_PER_US + moved / MEMORY_BYTES_PER_US
 
 

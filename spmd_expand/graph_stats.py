@@ -1,15 +1,24 @@
-"""Facts about an expanded graph that users and tools report: its collectives and their bytes."""
+"""Facts about an expanded graph that users and tools report: its collectives and their bytes, its
+FLOPs, its live bytes."""
 
 from __future__ import annotations
 
 import operator
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any, Collection, Optional
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.utils.flop_counter import flop_registry
 
-__all__ = ["COLLECTIVES", "CollectiveStats", "collective_bytes", "collective_stats", "annotate_local_values", "live_bytes", "peak_live_bytes"]
+from .spec import concrete
+
+__all__ = [
+    "COLLECTIVES", "CollectiveStats", "collective_bytes", "collective_stats", "node_flops", "graph_flops",
+    "annotate_local_values", "live_bytes", "peak_live_bytes",
+]
 
 _c10d = torch.ops._c10d_functional
 COLLECTIVES = {  # collective start ops of torch.distributed._functional_collectives -> kind
@@ -70,6 +79,30 @@ def collective_stats(gm: fx.GraphModule) -> CollectiveStats:
         stats.count[kind] += 1
         stats.bytes[kind] += collective_bytes(node, kind)
     return stats
+
+
+def node_flops(node: fx.Node) -> int:
+    """FLOPs of one call node by torch's flop registry (``torch.utils.flop_counter.flop_registry``:
+    matmuls, convolutions, attention, forward and backward), from the fake tensors in
+    ``node.meta["val"]`` of it and its arguments; symbolic sizes count at their hints. 0 for an op the
+    registry has no formula for.
+
+    Raises:
+        KeyError: a node read has no ``meta["val"]``.
+    """
+    formula = flop_registry.get(getattr(node.target, "overloadpacket", None)) if node.op == "call_function" else None
+    if formula is None:
+        return 0
+    args, kwargs = pytree.tree_map(lambda a: a.meta["val"] if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
+    return int(concrete(formula(*args, **kwargs, out_val=node.meta["val"])))
+
+
+def graph_flops(gm: fx.GraphModule, ops: Optional[Collection[Any]] = None) -> int:
+    """Total :func:`node_flops` of ``gm``; with ``ops`` (op overload packets, e.g.
+    ``torch.ops.aten.convolution``), of those ops only."""
+    return sum(
+        node_flops(n) for n in gm.graph.nodes if ops is None or getattr(n.target, "overloadpacket", None) in ops
+    )
 
 
 def annotate_local_values(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> None:

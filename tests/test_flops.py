@@ -3,7 +3,8 @@ the single-device step's FLOPs.
 
 Graph-only (fake process group of 4 ranks, ``lower="eager"``, no passes). FLOPs are counted with
 torch's flop registry (``torch.utils.flop_counter``: matmuls, convolutions, attention, forward and
-backward) over the nodes of a graph, from the fake tensors in ``node.meta["val"]``: the global traced
+backward) over the nodes of a graph, from the fake tensors in ``node.meta["val"]``
+(:func:`spmd_expand.graph_stats.graph_flops`): the global traced
 graph (global shapes; its symbolic batch size is evaluated at the traced batch) for one device, the
 local graph (local shapes) for one rank. The global count is checked against ``FlopCounterMode`` on
 the eager single-device forward and backward.
@@ -18,32 +19,17 @@ import copy
 
 import pytest
 import torch
-import torch.fx as fx
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
-from torch.utils.flop_counter import FlopCounterMode, flop_registry
+from torch.utils.flop_counter import FlopCounterMode
 
 import batch_norm_cases
 import cases
 import spmd_expand as spmd
 from conftest import FAKE_WORLD_SIZE as W
-from spmd_expand.graph_stats import collective_stats
+from spmd_expand.graph_stats import collective_stats, graph_flops
 from spmd_expand.app.models import build_gpt, language_model_step
-from spmd_expand.spec import concrete
 
 TOLERANCE = 1.15  # a rank may do at most 1.15/W of the single-device FLOPs
-
-
-def graph_flops(gm: fx.GraphModule) -> int:
-    """FLOPs of ``gm`` by torch's flop formulas over ``node.meta["val"]`` (symbolic sizes at their hints)."""
-    total = 0
-    for node in gm.graph.nodes:
-        formula = flop_registry.get(getattr(node.target, "overloadpacket", None)) if node.op == "call_function" else None
-        if formula is None:
-            continue
-        args, kwargs = pytree.tree_map(lambda a: a.meta["val"] if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
-        total += int(concrete(formula(*args, **kwargs, out_val=node.meta["val"])))
-    return total
 
 
 def eager_flops(model, forward_backward) -> int:
