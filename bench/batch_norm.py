@@ -30,11 +30,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
-import time
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -43,6 +40,7 @@ from spmd_expand.app.launch import run_local
 from spmd_expand.app.models import classification_step
 from spmd_expand.graph_stats import collective_stats, graph_flops
 from spmd_expand.passes import default_passes
+from timing import summary, time_interleaved  # bench/timing.py
 
 WORLD = 2
 WARMUP = 2
@@ -107,30 +105,12 @@ def worker(rank: int, world: int, args: dict) -> dict:
     optimizer = _sgd(model)
     variants["local_floor"] = ((lambda m=model, o=optimizer: classification_step(m, o, xl, yl)), None)
 
-    warmup_s = {}
-    for name, (run, _) in variants.items():
-        start = time.perf_counter()
-        for _ in range(WARMUP):
-            run()
-        warmup_s[name] = time.perf_counter() - start
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args["rounds"]):
-        for name, (run, _) in variants.items():
-            dist.barrier()
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
+    times, warmup_s = time_interleaved({name: run for name, (run, _) in variants.items()}, args["rounds"], WARMUP)
 
     one_device = None
     result = {}
     for name, samples in times.items():
-        ordered = sorted(samples)
-        entry = {
-            "median_ms": 1e3 * statistics.median(samples),
-            "p10_ms": 1e3 * ordered[int(0.1 * (len(ordered) - 1))],
-            "p90_ms": 1e3 * ordered[int(0.9 * (len(ordered) - 1))],
-            "warmup_s": warmup_s[name],
-        }
+        entry = {**summary(samples), "warmup_s": warmup_s[name]}
         step = variants[name][1]
         if step is not None:
             entry["collectives_per_step"] = collective_stats(step.last.local_graph).as_dict()

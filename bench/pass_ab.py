@@ -18,16 +18,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
-import time
 
 import torch
-import torch.distributed as dist
 
 import spmd_expand as spmd
 from spmd_expand.app.launch import run_local
 from spmd_expand.app.models import GPTConfig, build_gpt, language_model_step
 from spmd_expand.app.presets import preset, preset_mesh
+from timing import summary, time_interleaved  # bench/timing.py
 
 CONFIG = dict(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=96)  # the demo GPT
 BATCH = 16  # global
@@ -56,21 +54,8 @@ def worker(rank: int, world: int, plan_name: str, a: str, b: str, rounds: int) -
         for _ in range(3):  # the first call creates AdamW's state; the second compiles the steady state
             step(model, optimizer, x, y)
         runs[name] = lambda s=step, m=model, o=optimizer: s(m, o, x, y)
-    samples: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            dist.barrier()
-            start = time.perf_counter()
-            run()
-            samples[name].append(time.perf_counter() - start)
-    result = {}
-    for name, values in samples.items():
-        ordered = sorted(values)
-        result[name] = {
-            "median_ms": 1e3 * statistics.median(values),
-            "p10_ms": 1e3 * ordered[int(0.1 * (len(ordered) - 1))],
-            "p90_ms": 1e3 * ordered[int(0.9 * (len(ordered) - 1))],
-        }
+    samples, _ = time_interleaved(runs, rounds)
+    result = {name: summary(values) for name, values in samples.items()}
     result["ratio_b_to_a"] = result["b"]["median_ms"] / result["a"]["median_ms"]
     return result
 

@@ -28,17 +28,15 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
-import time
 
 import torch
-import torch.distributed as dist
 
 import spmd_expand as spmd
 from spmd_expand.app.launch import run_local
 from spmd_expand.app.models import GPTConfig, build_gpt, language_model_step
 from spmd_expand.app.presets import preset, preset_mesh
 from spmd_expand.graph_stats import collective_stats
+from timing import summary, time_interleaved  # bench/timing.py
 
 CONFIGS = {
     # The demo's GPT (spmd-expand train defaults) and a larger one where compute dominates.
@@ -121,28 +119,10 @@ def worker(rank: int, world: int, config_name: str, rounds: int, only: tuple = (
     variants = _variants(base, config, rank)
     if only:
         variants = {k: v for k, v in variants.items() if k in set(only) | set(BASELINES)}
-    warmup_s = {}
-    for name, (run, _) in variants.items():
-        start = time.perf_counter()
-        for _ in range(WARMUP):
-            run()
-        warmup_s[name] = time.perf_counter() - start
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, (run, _) in variants.items():
-            dist.barrier()
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
+    times, warmup_s = time_interleaved({name: run for name, (run, _) in variants.items()}, rounds, WARMUP)
     result = {"config": config, "rounds": rounds, "variants": {}}
     for name, samples in times.items():
-        ordered = sorted(samples)
-        entry = {
-            "median_ms": 1e3 * statistics.median(samples),
-            "p10_ms": 1e3 * ordered[int(0.1 * (len(ordered) - 1))],
-            "p90_ms": 1e3 * ordered[int(0.9 * (len(ordered) - 1))],
-            "warmup_s": warmup_s[name],
-        }
+        entry = {**summary(samples), "warmup_s": warmup_s[name]}
         step = variants[name][1]
         if step is not None:
             entry["collectives_per_step"] = collective_stats(step.last.local_graph).as_dict()
