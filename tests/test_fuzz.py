@@ -25,12 +25,12 @@ REGRESSIONS: dict[int, str] = {
 
 @pytest.fixture(scope="module")
 def results():
-    return run_local(fuzz_cases.run_fuzz, 2, sorted(set(SEEDS) | set(REGRESSIONS)), timeout_s=1200)
+    return run_local(fuzz_cases.run_fuzz, 2, sorted(set(SEEDS) | set(REGRESSIONS)), timeout_s=600)
 
 
 @pytest.fixture(scope="module")
 def results_2d():
-    return run_local(fuzz_cases.run_fuzz, 4, SEEDS_2D, fuzz_cases.PLANS_2D, timeout_s=1200)
+    return run_local(fuzz_cases.run_fuzz, 4, SEEDS_2D, fuzz_cases.PLANS_2D, timeout_s=600)
 
 
 def _check(results, plan, seeds):

@@ -8,12 +8,13 @@ started this process and its environment says which rank it is.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import queue as queue_mod
 import signal
-import socket
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -32,11 +33,11 @@ THREADS_ENV = "SPMD_THREADS_PER_RANK"
 # Message kinds a rank puts on the result queue, as ``(rank, kind, payload)``.
 _OK = "ok"  # payload: the pickled return value (bytes)
 _ERROR = "error"  # payload: the formatted traceback (str)
-_PORT_IN_USE = "port_in_use"  # payload: the formatted traceback (str) of the failed rendezvous
 
 _DEATH_GRACE_S = 1.0  # how long a rank's error waits for a peer's death by a signal to show (see _root_cause)
 _POLL_S = 0.1  # how long one wait on the result queue lasts before the ranks' exit codes are checked
-_PORT_ATTEMPTS = 5  # rendezvous ports tried before giving up on "address already in use"
+_STACK_SIGNAL = getattr(signal, "SIGUSR1", None)  # asks a rank for its Python stacks (faulthandler); not on Windows
+_STACK_GRACE_S = 3.0  # how long a timed-out run waits for its ranks' stacks
 _TEARDOWN_GRACE_S = 30.0  # how long ranks that all reported may take to leave before being killed
 _KILL_GRACE_S = 5.0  # how long a terminated rank may take before it is killed outright
 
@@ -67,11 +68,17 @@ def run_local(
 
     Each rank is a fresh process from the ``torch.multiprocessing`` "spawn" context. It limits
     itself to ``$SPMD_THREADS_PER_RANK`` intra-op threads (default 1), joins a process group of
-    ``backend`` that rendezvouses over TCP on 127.0.0.1 (a free port is picked here; the launch is
-    retried on a new port if that one was taken in the meantime; on Linux gloo is pointed at the
-    ``lo`` interface unless ``GLOO_SOCKET_IFNAME`` is already set), calls ``fn``, reports the
-    result, waits at a barrier, destroys the group and leaves with ``os._exit``, skipping the
-    interpreter shutdown in which gloo is known to abort.
+    ``backend`` (on Linux gloo is pointed at the ``lo`` interface unless ``GLOO_SOCKET_IFNAME`` is
+    already set), calls ``fn``, reports the result, waits at a barrier, destroys the group and leaves
+    with ``os._exit``, skipping the interpreter shutdown in which gloo is known to abort.
+
+    The rendezvous is a ``TCPStore`` served by this process on 127.0.0.1, listening on a port the
+    system picks before any rank starts. (A port picked free and handed to rank 0 to listen on can be
+    taken meanwhile, and a rank retrying its connection to a port nobody listens on yet can connect
+    to itself, which TCP allows: both hang the rendezvous.)
+
+    A run that times out shows where each unfinished rank was: the Python stacks of its threads, which
+    the rank writes (:mod:`faulthandler`) when asked with ``SIGUSR1`` (not on Windows).
 
     Because of the spawn context, ``fn`` must be importable by its qualified name: a module-level
     function (or a picklable callable such as a ``functools.partial`` of one), in a module the
@@ -97,11 +104,11 @@ def run_local(
     Raises:
         TypeError: ``fn`` is a lambda or a local function, which spawn cannot pickle.
         ValueError: ``world_size`` is below 1 or ``timeout_s`` is not positive.
-        RankFailedError: a rank raised (the message holds its traceback), a rank exited without
-            reporting (the message holds its exit code or signal), or no free rendezvous port was
-            found. The other ranks are terminated first.
+        RankFailedError: a rank raised (the message holds its traceback), or a rank exited without
+            reporting (the message holds its exit code or signal). The other ranks are terminated
+            first.
         TimeoutError: not every rank reported within ``timeout_s``; the message names the ranks
-            that had not, and all ranks are killed first.
+            that had not and shows their Python stacks, and all ranks are killed first.
     """
     qualname = getattr(fn, "__qualname__", "")
     if "<lambda>" in qualname or "<locals>" in qualname:
@@ -116,14 +123,15 @@ def run_local(
 
     ctx = mp.get_context("spawn")
     deadline = time.monotonic() + timeout_s
-    attempt = 1
-    while True:
-        port = _free_port()
-        result_queue = ctx.Queue()
+    store = dist.TCPStore(
+        "127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+    result_queue = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="spmd-ranks-") as stacks:
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(rank, world_size, backend, port, timeout_s, fn, args, kwargs, result_queue),
+                args=(rank, world_size, backend, store.port, timeout_s, fn, args, kwargs, result_queue, stacks),
                 name=f"spmd-rank-{rank}",
             )
             for rank in range(world_size)
@@ -131,20 +139,13 @@ def run_local(
         try:
             for proc in procs:
                 proc.start()
-            results = _collect(procs, result_queue, deadline, timeout_s)
-        except _PortInUse as exc:
-            _stop(procs)
-            if attempt == _PORT_ATTEMPTS:
-                raise RankFailedError(
-                    exc.rank, f"no free rendezvous port after {_PORT_ATTEMPTS} tries:\n{exc.details}"
-                ) from None
-            attempt += 1
-            continue
+            results = _collect(procs, result_queue, deadline, timeout_s, stacks)
         except BaseException:
             _stop(procs)
             raise
         _join_or_stop(procs, min(_TEARDOWN_GRACE_S, max(deadline - time.monotonic(), 0.0)))
-        return results
+    del store  # the ranks have left: stop serving the rendezvous
+    return results
 
 
 def is_distributed_launch() -> bool:
@@ -182,31 +183,14 @@ def init_from_env(backend: str | None = None) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-class _PortInUse(Exception):
-    """Internal: a rank could not rendezvous because the chosen port was taken."""
-
-    def __init__(self, rank: int, details: str) -> None:
-        super().__init__(rank, details)
-        self.rank = rank
-        self.details = details
-
-
-def _free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _collect(
-    procs: list[Any], result_queue: Any, deadline: float, timeout_s: float
+    procs: list[Any], result_queue: Any, deadline: float, timeout_s: float, stacks: str
 ) -> list[Any]:
     """Wait for every rank's report and return the unpickled results, ordered by rank.
 
     Raises:
         RankFailedError: a rank reported an error or exited without reporting.
-        _PortInUse: a rank could not rendezvous on the chosen port.
-        TimeoutError: ``deadline`` passed first.
+        TimeoutError: ``deadline`` passed first (with the unfinished ranks' stacks, see :func:`_stacks`).
     """
     results: list[Any] = [None] * len(procs)
     pending = set(range(len(procs)))
@@ -216,7 +200,7 @@ def _collect(
         if remaining <= 0:
             raise TimeoutError(
                 f"run_local timed out after {timeout_s:g} s; ranks {sorted(pending)} of "
-                f"{len(procs)} had not reported"
+                f"{len(procs)} had not reported. Where they were:\n{_stacks(procs, sorted(pending), stacks)}"
             )
         try:
             rank, kind, payload = result_queue.get(timeout=min(_POLL_S, remaining))
@@ -232,11 +216,47 @@ def _collect(
         if kind == _OK:
             results[rank] = pickle.loads(payload)
             pending.discard(rank)
-        elif kind == _PORT_IN_USE:
-            raise _PortInUse(rank, payload)
         else:
             raise _root_cause(procs, rank, payload)
     return results
+
+
+def _stack_path(stacks: str, rank: int) -> str:
+    return os.path.join(stacks, f"rank{rank}.txt")
+
+
+def _stacks(procs: list[Any], ranks: list[int], stacks: str) -> str:
+    """The Python stacks of ``ranks``, asked for with ``SIGUSR1`` (each rank registered a
+    :mod:`faulthandler` dump to its file in ``stacks``); waits up to ``_STACK_GRACE_S``."""
+    if _STACK_SIGNAL is None:
+        return "(stacks are not available on this platform)"
+    # Only ranks whose handler is in place (their file exists): before that the signal would kill them.
+    asked = [
+        r for r in ranks
+        if procs[r].pid is not None and procs[r].exitcode is None and os.path.exists(_stack_path(stacks, r))
+    ]
+    for rank in asked:
+        os.kill(procs[rank].pid, _STACK_SIGNAL)
+    end = time.monotonic() + _STACK_GRACE_S
+    last: dict[int, str] = {}
+    texts: dict[int, str] = {}  # complete dumps: the signal handler writes at once, so two equal reads
+    while len(texts) < len(asked) and time.monotonic() < end:
+        time.sleep(0.1)
+        for rank in set(asked) - set(texts):
+            with open(_stack_path(stacks, rank)) as f:
+                text = f.read()
+            if text and last.get(rank) == text:
+                texts[rank] = text
+            last[rank] = text
+    parts = []
+    for rank in ranks:
+        if rank in texts:
+            parts.append(f"--- rank {rank} ---\n{texts[rank].rstrip()}")
+        elif procs[rank].exitcode is not None:
+            parts.append(f"--- rank {rank} --- ({_describe_exit(procs[rank].exitcode)})")
+        else:
+            parts.append(f"--- rank {rank} --- (no stack: it had not started running, or did not answer)")
+    return "\n".join(parts)
 
 
 def _root_cause(procs: list[Any], rank: int, payload: str) -> RankFailedError:
@@ -302,22 +322,22 @@ def _worker(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     result_queue: Any,
+    stacks: str,
 ) -> None:
     """Body of one rank: set up, run ``fn``, report, tear down, and leave with ``os._exit``."""
     try:
+        if _STACK_SIGNAL is not None:
+            stack_file = open(_stack_path(stacks, rank) + ".part", "w")  # noqa: SIM115 - open until os._exit
+            faulthandler.register(_STACK_SIGNAL, file=stack_file, all_threads=True)
+            os.replace(stack_file.name, _stack_path(stacks, rank))  # exists once the handler is in place
         torch.set_num_threads(int(os.environ.get(THREADS_ENV, "1")))
         if sys.platform.startswith("linux"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
-    except Exception as exc:
-        kind = _PORT_IN_USE if _is_address_in_use(exc) else _ERROR
-        _report(result_queue, rank, kind, traceback.format_exc())
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    except Exception:
+        _report(result_queue, rank, _ERROR, traceback.format_exc())
         _exit(1)
     try:
         payload = pickle.dumps(fn(rank, world_size, *args, **kwargs), pickle.HIGHEST_PROTOCOL)
@@ -333,12 +353,6 @@ def _worker(
         traceback.print_exc()
         _exit(1)
     _exit(0)
-
-
-def _is_address_in_use(exc: BaseException) -> bool:
-    """Tell whether a failed rendezvous failed because its port was already taken."""
-    text = str(exc).lower()
-    return "eaddrinuse" in text or "address already in use" in text
 
 
 def _report(result_queue: Any, rank: int, kind: str, payload: bytes | str) -> None:
