@@ -6,7 +6,10 @@ widths ``--width`` x 1, 2, 4, 8, BatchNorm after every convolution; same seed) w
 on the same global batch split over 2 local CPU ranks (one intra-op thread each):
 
 * ``spmd_ddp``: ``spmd.compile`` with ``spmd.DDP()`` and the default passes (``sync_batch_norm``
-  among them: per BatchNorm four all-reduces of per-channel sums);
+  among them, choosing per BatchNorm by cost: the statistics' all-reduces for large activations,
+  the gathered activations for small ones);
+* ``spmd_ddp_statistics``: the same with ``SyncBatchNorm(by_cost=False)``: every BatchNorm as
+  per-channel sums (per BatchNorm three all-reduces of ``C`` or ``2C`` floats);
 * ``spmd_ddp_no_sync_batch_norm``: the same without that pass (DTensor's batch-norm strategies: each
   BatchNorm's input all-gathered, forward and backward);
 * ``torch_ddp``: ``DistributedDataParallel`` eager with plain BatchNorm, which normalizes with each
@@ -39,7 +42,7 @@ import spmd_expand as spmd
 from spmd_expand.app.launch import run_local
 from spmd_expand.app.models import classification_step
 from spmd_expand.graph_stats import collective_stats, graph_flops
-from spmd_expand.passes import default_passes
+from spmd_expand.passes import SyncBatchNorm, default_passes
 from timing import summary, time_interleaved  # bench/timing.py
 
 WORLD = 2
@@ -93,7 +96,12 @@ def worker(rank: int, world: int, args: dict) -> dict:
     xl, yl = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
     mesh = init_device_mesh("cpu", (world,))
     variants = {}
-    for name, passes in (("spmd_ddp", "default"), ("spmd_ddp_no_sync_batch_norm", default_passes(disable=["sync_batch_norm"]))):
+    others = default_passes(disable=["sync_batch_norm"])
+    for name, passes in (
+        ("spmd_ddp", "default"),
+        ("spmd_ddp_statistics", [SyncBatchNorm(by_cost=False), *others]),
+        ("spmd_ddp_no_sync_batch_norm", others),
+    ):
         model = copy.deepcopy(base)
         optimizer = _sgd(model)
         step = spmd.compile(mesh=mesh, plan=spmd.DDP(), passes=passes, lower=args["lower"])(classification_step)

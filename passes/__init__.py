@@ -5,7 +5,8 @@ name                        stage   what it does
 ==========================  ======  ==============================================================
 ``sync_batch_norm``         global  a training BatchNorm's statistics as per-channel sums split on
                                     the batch (all-reduced, as ``nn.SyncBatchNorm``), instead of
-                                    its input all-gathered (:mod:`.sync_batch_norm`)
+                                    its input all-gathered, where DTensor's cost model says that
+                                    is cheaper (:mod:`.sync_batch_norm`)
 ``regather_for_backward``   global  FSDP ``reshard_after_forward``: parameters gathered again per
                                     region (blocks' by default; :mod:`.regather`)
 ``horizontal_fusion``       global  the optimizer's per-parameter 0-d arithmetic (bias corrections,

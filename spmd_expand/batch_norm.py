@@ -10,7 +10,8 @@ reduced dims whole: the input is either replicated or sharded on channels, never
 batch, so a batch-sharded activation would be all-gathered (or moved to channel shards) before the
 op. Under a plan that shards the batch the default pass ``sync_batch_norm``
 (:mod:`spmd_expand.passes.sync_batch_norm`) writes the op as per-channel sums instead, all-reduced
-as ``nn.SyncBatchNorm`` does. Either way every statistic is the global batch's. Buffers are
+as ``nn.SyncBatchNorm`` does, where by DTensor's communication model that costs less than the
+gather (large activations). Either way every statistic is the global batch's. Buffers are
 replicated plain tensors, updated in place on every rank.
 
 :func:`traceable_batch_norms` wraps tracing and deals with:

@@ -24,6 +24,12 @@ from torch.distributed.tensor import DTensor
 import spmd_expand as spmd
 from spmd_expand.app.data import shard
 from spmd_expand.graph_stats import collective_stats
+from spmd_expand.passes import SyncBatchNorm, default_passes
+
+# Every training BatchNorm as all-reduced statistics: the default passes choose by cost, and these
+# models' activations are small enough that the cost model keeps them fused (all-gathered), which
+# test_losses, test_module_zoo and test_hf_zoo cover; here the statistics are tested.
+PASSES = [SyncBatchNorm(by_cost=False), *default_passes(disable=["sync_batch_norm"])]
 
 GLOBAL_BATCH = 8
 NUM_CLASSES = 10
@@ -245,7 +251,7 @@ def run_config(cfg: Config, rank: int, world: int) -> dict:
     optimizer, ref_optimizer = cfg.optimizer(model.parameters(), cfg.lr), cfg.optimizer(reference.parameters(), cfg.lr)
     _create_states(optimizer)
     _create_states(ref_optimizer)
-    step = spmd.compile(mesh=mesh, plan=cfg.plan(), lower=cfg.lower)(train_step)
+    step = spmd.compile(mesh=mesh, plan=cfg.plan(), lower=cfg.lower, passes=PASSES)(train_step)
     float32_params = _single_device_run(cfg, reference, torch.float32) if cfg.float32_reference else None
     losses, ref_losses = [], []
     for i in range(cfg.steps):

@@ -27,6 +27,7 @@ import cases
 import spmd_expand as spmd
 from conftest import FAKE_WORLD_SIZE as W
 from spmd_expand.graph_stats import collective_stats, graph_flops
+from spmd_expand.passes import SyncBatchNorm
 from spmd_expand.app.models import build_gpt, language_model_step
 
 TOLERANCE = 1.15  # a rank may do at most 1.15/W of the single-device FLOPs
@@ -97,9 +98,9 @@ def test_flops_per_rank_are_one_over_world(fake_mesh, case, plan):
 
 @pytest.mark.parametrize("plan", list(PLANS))
 def test_resnet_with_sync_batch_norm_divides_the_work(fake_mesh, plan):
-    """With the sync_batch_norm pass (BatchNorms as per-channel sums all-reduced), a rank still does
+    """With the sync_batch_norm pass on every BatchNorm (per-channel sums all-reduced), a rank still does
     1/W of the convolutions, and under DDP no activation is gathered."""
-    step, single_device = _compile(fake_mesh, "resnet_bn", plan, passes=["sync_batch_norm"])
+    step, single_device = _compile(fake_mesh, "resnet_bn", plan, passes=[SyncBatchNorm(by_cost=False)])
     ratio = graph_flops(step.last.local_graph) * W / single_device
     assert ratio <= TOLERANCE, ratio
     stats = collective_stats(step.last.local_graph).as_dict()

@@ -527,9 +527,10 @@ def test_bucketing_places_buckets_alike_on_every_rank():
             torch.testing.assert_close(r["params"][k], v.detach(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
 
 
-def _conv_bn_step(mesh, plan, passes):
+def _conv_bn_step(mesh, plan, passes, batch=2, size=8):
     """A conv net with two BatchNorm2d (affine, running statistics) and one BatchNorm1d without affine
-    or running statistics, in train mode, compiled on the fake process group."""
+    or running statistics, in train mode, compiled on the fake process group for a local batch of
+    ``batch`` images of ``size`` x ``size``."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
@@ -539,7 +540,7 @@ def _conv_bn_step(mesh, plan, passes):
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     compiled = spmd.compile(mesh=mesh, plan=plan, lower="eager", passes=passes)(classification_step)
-    compiled(model, optimizer, torch.randn(2, 3, 8, 8), torch.randint(0, 5, (2,)))
+    compiled(model, optimizer, torch.randn(batch, 3, size, size), torch.randint(0, 5, (batch,)))
     return compiled
 
 
@@ -554,8 +555,10 @@ def test_sync_batch_norm_keeps_activations_on_their_ranks(world):
     """Under DDP the BatchNorms' inputs were all-gathered (DTensor has no batch-sharded batch-norm
     strategy); with the pass each BatchNorm all-reduces two per-channel sums forward and the two sums of
     its backward in one collective, and nothing is gathered."""
+    from spmd_expand.passes.sync_batch_norm import SyncBatchNorm
+
     before = _conv_bn_step(world, spmd.DDP(), [])
-    after = _conv_bn_step(world, spmd.DDP(), ["sync_batch_norm"])
+    after = _conv_bn_step(world, spmd.DDP(), [SyncBatchNorm(by_cost=False)])
     assert collective_stats(before.last.local_graph).as_dict()["all_gather"]["count"] > 0
     stats = collective_stats(after.last.local_graph).as_dict()
     assert set(stats) == {"all_reduce"}, stats
@@ -571,6 +574,20 @@ def test_sync_batch_norm_keeps_activations_on_their_ranks(world):
     assert not [n for n in traced.nodes if n.target in _BATCH_NORM_OPS]
     record = after.last.passes[0]
     assert record.name == "sync_batch_norm" and record.modified
+
+
+def test_sync_batch_norm_chooses_by_cost(world):
+    """By default a BatchNorm is rewritten only where DTensor's cost model says its statistics'
+    all-reduces cost less than gathering its activations: none at 2 images of 8x8 (activations of
+    1 KB), the two BatchNorm2d at 32 images of 48x48 (2.4 MB), never the BatchNorm1d (768 bytes)."""
+    small = _conv_bn_step(world, spmd.DDP(), ["sync_batch_norm"])
+    assert not small.last.passes[0].modified
+    assert collective_stats(small.last.local_graph).as_dict()["all_gather"]["count"] > 0
+    large = _conv_bn_step(world, spmd.DDP(), ["sync_batch_norm"], batch=16, size=48)
+    left = [n.target for n in large.last.traced.graph_module.graph.nodes if n.target in _BATCH_NORM_OPS]
+    assert sorted(map(str, left)) == ["aten._native_batch_norm_legit.no_stats", "aten.native_batch_norm_backward.default"]
+    sums = [n for n in large.last.local_graph.graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default]
+    assert sorted(n.meta["val"].numel() for n in sums if n.args[0].target is torch.ops.aten.sum.dim_IntList) == [6, 6, 8, 8]
 
 
 def test_sync_batch_norm_runs_once_and_only_where_the_batch_is_split(world):
