@@ -9,7 +9,8 @@ on the same global batch split over 2 local CPU ranks (one intra-op thread each)
   among them, choosing per BatchNorm by cost: the statistics' all-reduces for large activations,
   the gathered activations for small ones);
 * ``spmd_ddp_statistics``: the same with ``SyncBatchNorm(by_cost=False)``: every BatchNorm as
-  per-channel sums (per BatchNorm three all-reduces of ``C`` or ``2C`` floats);
+  per-channel sums (per BatchNorm two all-reduces: the float64 sums of ``x`` and ``x^2``, the
+  backward's pair);
 * ``spmd_ddp_no_sync_batch_norm``: the same without that pass (DTensor's batch-norm strategies: each
   BatchNorm's input all-gathered, forward and backward);
 * ``torch_ddp``: ``DistributedDataParallel`` eager with plain BatchNorm, which normalizes with each

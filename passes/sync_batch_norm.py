@@ -11,18 +11,24 @@ This global pass writes each training BatchNorm (``aten._native_batch_norm_legit
 ``aten._native_batch_norm_legit.no_stats``) and its backward (``aten.native_batch_norm_backward``)
 as the sums they are made of, which DTensor splits on the batch like any reduction (a sum over a
 batch-sharded dim is ``Partial``; the elementwise ops after it all-reduce it first). Each rank then
-normalizes its own rows with the global statistics, and the step communicates what
+normalizes its own rows with the global statistics, and the step communicates about what
 ``nn.SyncBatchNorm`` communicates (Ioffe & Szegedy 2015's statistics, synchronized as torch's
-``SyncBatchNorm`` does): per BatchNorm, one all-reduce of the per-channel sum and then one of the
-sum of squared deviations forward (``C`` floats each), and one of the two per-channel sums of the
-backward together (``2C`` floats).
+``SyncBatchNorm`` does), in one collective per direction: per BatchNorm, one all-reduce of the
+per-channel sums of ``x`` and ``x^2`` forward (``2C`` float64) and one of the two per-channel sums of
+the backward (``2C`` floats). (``nn.SyncBatchNorm`` all-gathers each rank's mean, variance and count
+and combines them, Chan et al. 1979: W times the bytes, one round trip too.) A float64 model has no
+wider type to accumulate in and takes two collectives forward (two passes, as below).
 
 Arithmetic, per channel over the ``n = numel / C`` values of the reduced dims (batch and spatial):
 
-* forward (two passes, as torch's CPU kernel computes the variance): ``mean = sum(x) / n``,
-  ``var_sum = sum((x - mean)^2)``, ``rstd = rsqrt(var_sum / n + eps)``,
-  ``y = (x - mean) * rstd * weight + bias``; running statistics
-  ``(1 - momentum) * running + momentum * stat`` with the unbiased variance ``var_sum / (n - 1)``;
+* forward: ``mean = sum(x) / n``, ``var_sum = sum(x^2) - mean * sum(x)``, both sums accumulated in
+  float64 (one pass, so one collective; its cancellation error, ~1e-16 x mean^2 / var relative, is
+  below float32's rounding until |mean| / std passes ~3e4: against a float64 run, a float32 input of
+  mean 100 and std 2 normalizes to 4e-7 here, 5e-7 by torch's two-pass CPU kernel); for a float64
+  input two passes, as torch's CPU kernel: ``mean = sum(x) / n``, ``var_sum = sum((x - mean)^2)``;
+  then ``rstd = rsqrt(var_sum / n + eps)``, ``y = (x - mean) * rstd * weight + bias``; running
+  statistics ``(1 - momentum) * running + momentum * stat`` with the unbiased variance
+  ``var_sum / (n - 1)``;
 * backward (``native_batch_norm_backward`` in ``torch/_decomp/decompositions.py``):
   ``sum_dy = sum(dy)``, ``dot = sum(dy * (x - mean))``,
   ``dx = (dy - sum_dy / n - (x - mean) * dot / n * rstd^2) * rstd * weight``,
@@ -33,16 +39,16 @@ to float rounding (a different summation order). Runs only under a plan that sha
 (``DDP``, ``FSDP``, ``HSDP``, the data-parallel dim of a 2-D plan); elsewhere the fused ops stay.
 Disable it with ``spmd.compile(passes=spmd.default_passes(disable=["sync_batch_norm"]))``.
 
-**Which BatchNorms** (``by_cost=True``, the default): the statistics trade bytes for round trips. A
-BatchNorm left fused has its input all-gathered forward and its output gradient backward (DTensor's
-choice for a small activation); rewritten, it all-reduces three times, each a few floats per channel.
-For a small activation the all-gather's bytes cost less than the two extra round trips, so each
-BatchNorm is rewritten only where DTensor's own communication model (``redistribute_cost`` in
+**Which BatchNorms** (``by_cost=True``, the default): a BatchNorm left fused has its input
+all-gathered forward and its output gradient backward (DTensor's choice for a small activation);
+rewritten, it all-reduces a few numbers per channel instead, as many times. For a tiny activation
+the gather is as cheap (an all-reduce is two ring passes, an all-gather one), so each BatchNorm is
+rewritten only where DTensor's own communication model (``redistribute_cost`` in
 ``torch/distributed/tensor/_collective_utils.py``, the model its sharding propagation chooses with)
-says ``2 * all_reduce(C floats) + all_reduce(2C floats) < 2 * all_gather(input)``, over the
-data-parallel mesh dims at the traced batch size. On 2 ranks that is a global input of about 0.8 MB
-and up (a latency of ~7 us against ~88 GB/s; gloo on CPU has ~0.5 ms against ~1 GB/s, about the
-same break-even): an ImageNet ResNet's BatchNorms are all rewritten, a 16x16 toy's none. Either
+says ``all_reduce(2C float64) + all_reduce(2C floats) < 2 * all_gather(input)`` (a float64 model:
+``2 * all_reduce(C) + all_reduce(2C)`` on the left), over the data-parallel mesh dims at the traced
+batch size. On 2 ranks the statistics win from a global float32 input of about 0.12 MB (8 images
+of 64 channels of 8 x 8: 131 KB): an ImageNet ResNet's BatchNorms are all rewritten, a 16 x 16 toy's none. Either
 choice gives the same results (the test suite runs both); the choice is made for the traced size
 and holds for any batch size. ``SyncBatchNorm(by_cost=False)`` rewrites every training BatchNorm.
 """
@@ -94,9 +100,25 @@ def _replicated(t: torch.Tensor, mesh_dims: Sequence[int]) -> torch.Tensor:
     return t
 
 
+def _one_pass(x: torch.Tensor) -> bool:
+    """Whether ``x``'s statistics take one collective: accumulated in float64, wider than ``x``'s
+    computation dtype (a float64 ``x`` has nothing wider; it takes two, as two passes)."""
+    return get_computation_dtype(x.dtype) != torch.float64
+
+
 def _statistics(x: torch.Tensor, eps: float, mesh_dims: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
-    """``(mean, rstd, var_sum, n)`` of ``x`` per channel (keepdim shape), in two passes."""
+    """``(mean, rstd, var_sum, n)`` of ``x`` per channel (keepdim shape, ``x``'s dtype): from one
+    all-reduce of the float64 sums of ``x`` and ``x^2``, or for a float64 ``x`` from two (the sum,
+    then the sum of squared deviations; module docstring)."""
     dims, n, _ = _reduced(x)
+    if _one_pass(x):
+        wide = x.to(torch.float64)
+        sums = torch.stack([torch.sum(wide, dims, keepdim=True), torch.sum(wide * wide, dims, keepdim=True)])
+        sums = _replicated(sums, mesh_dims)
+        mean = sums[0] / n
+        var_sum = torch.clamp(sums[1] - mean * sums[0], min=0.0)
+        rstd = torch.rsqrt(var_sum / n + eps)
+        return mean.to(x.dtype), rstd.to(x.dtype), var_sum.to(x.dtype), n
     mean = _replicated(torch.sum(x, dims, keepdim=True), mesh_dims) / n
     centered = x - mean
     var_sum = _replicated(torch.sum(centered * centered, dims, keepdim=True), mesh_dims)
@@ -225,10 +247,13 @@ def statistics_are_cheaper(x: torch.Tensor, mesh: Any, mesh_dims: Sequence[int])
         return float(redistribute_cost(spec(val, placement), spec(val, Replicate())))
 
     channels = x.shape[1]
-    statistic = torch.empty((channels,), dtype=torch.float32, device="meta")
-    pair = torch.empty((2, channels), dtype=torch.float32, device="meta")
-    all_reduces = 2 * moved(statistic, Partial()) + moved(pair, Partial())
-    return all_reduces < 2 * moved(x, Shard(0))
+    acc = get_computation_dtype(x.dtype)
+    backward = moved(torch.empty((2, channels), dtype=acc, device="meta"), Partial())
+    if _one_pass(x):
+        forward = moved(torch.empty((2, channels), dtype=torch.float64, device="meta"), Partial())
+    else:
+        forward = 2 * moved(torch.empty((channels,), dtype=acc, device="meta"), Partial())
+    return forward + backward < 2 * moved(x, Shard(0))
 
 
 def sync_batch_norm(gm: fx.GraphModule, mesh_dims: Sequence[int], mesh: Any = None) -> int:

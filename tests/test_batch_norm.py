@@ -78,12 +78,12 @@ def test_resnet18_ddp_eval_after_train(results):
 def test_resnet18_ddp_reduces_gradients_once(results):
     """Collectives of the DDP train step: no gradient is reduced twice and no activation is gathered.
     The all-reduced bytes are at most the parameter bytes plus the BatchNorm statistics (the
-    ``sync_batch_norm`` pass: per BatchNorm two per-channel float32 sums forward, one pair backward);
-    nothing is all-gathered or reduce-scattered."""
+    ``sync_batch_norm`` pass: per BatchNorm the float64 sums of x and x^2 forward, a float32 pair
+    backward); nothing is all-gathered or reduce-scattered."""
     for r in _ranks(results, "resnet_ddp"):
         stats = r["train_collectives"]
         assert set(stats) == {"all_reduce"}, stats
-        statistics_bytes = 4 * r["batch_norm_channels"] * 4
+        statistics_bytes = (2 * 8 + 2 * 4) * r["batch_norm_channels"]
         assert stats["all_reduce"]["bytes"] <= r["param_bytes"] + statistics_bytes, stats
 
 

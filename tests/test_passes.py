@@ -527,10 +527,10 @@ def test_bucketing_places_buckets_alike_on_every_rank():
             torch.testing.assert_close(r["params"][k], v.detach(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
 
 
-def _conv_bn_step(mesh, plan, passes, batch=2, size=8):
+def _conv_bn_step(mesh, plan, passes, batch=2, size=8, dtype=torch.float32):
     """A conv net with two BatchNorm2d (affine, running statistics) and one BatchNorm1d without affine
     or running statistics, in train mode, compiled on the fake process group for a local batch of
-    ``batch`` images of ``size`` x ``size``."""
+    ``batch`` images of ``size`` x ``size`` in ``dtype``."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
@@ -538,9 +538,10 @@ def _conv_bn_step(mesh, plan, passes, batch=2, size=8):
         torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
         torch.nn.BatchNorm1d(6, affine=False, track_running_stats=False), torch.nn.Linear(6, 5),
     )
+    model = model.to(dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     compiled = spmd.compile(mesh=mesh, plan=plan, lower="eager", passes=passes)(classification_step)
-    compiled(model, optimizer, torch.randn(batch, 3, size, size), torch.randint(0, 5, (batch,)))
+    compiled(model, optimizer, torch.randn(batch, 3, size, size, dtype=dtype), torch.randint(0, 5, (batch,)))
     return compiled
 
 
@@ -553,8 +554,8 @@ _BATCH_NORM_OPS = (
 
 def test_sync_batch_norm_keeps_activations_on_their_ranks(world):
     """Under DDP the BatchNorms' inputs were all-gathered (DTensor has no batch-sharded batch-norm
-    strategy); with the pass each BatchNorm all-reduces two per-channel sums forward and the two sums of
-    its backward in one collective, and nothing is gathered."""
+    strategy); with the pass each BatchNorm all-reduces its two per-channel sums forward and the two sums of
+    its backward in one collective each, and nothing is gathered."""
     from spmd_expand.passes.sync_batch_norm import SyncBatchNorm
 
     before = _conv_bn_step(world, spmd.DDP(), [])
@@ -566,14 +567,26 @@ def test_sync_batch_norm_keeps_activations_on_their_ranks(world):
         n for n in after.last.local_graph.graph.nodes
         if n.op == "call_function" and n.target is torch.ops._c10d_functional.all_reduce.default
     ]
-    forward = [n for n in all_reduces if n.args[0].target is torch.ops.aten.sum.dim_IntList]
-    backward = [n for n in all_reduces if n.args[0].target is torch.ops.aten.stack.default]
-    assert sorted(n.meta["val"].numel() for n in forward) == [6, 6, 6, 6, 8, 8], forward  # 2 per BatchNorm
+    # One per BatchNorm each way: forward the float64 sums of x and x^2, backward the two float32 sums.
+    forward = [n for n in all_reduces if n.meta["val"].dtype == torch.float64]
+    backward = [n for n in all_reduces if n.args[0].target is torch.ops.aten.stack.default and n not in forward]
+    assert sorted(tuple(n.meta["val"].shape) for n in forward) == [(2, 1, 6), (2, 1, 6, 1, 1), (2, 1, 8, 1, 1)], forward
     assert sorted(tuple(n.meta["val"].shape) for n in backward) == [(2, 6), (2, 6), (2, 8)], backward
     traced = after.last.traced.graph_module.graph
     assert not [n for n in traced.nodes if n.target in _BATCH_NORM_OPS]
     record = after.last.passes[0]
     assert record.name == "sync_batch_norm" and record.modified
+
+
+def test_sync_batch_norm_of_a_float64_model_takes_two_passes(world):
+    """float64 has no wider type to accumulate the one-pass sums in: the sum, then the sum of squared
+    deviations, one all-reduce each (``C`` float64 elements), as torch's two-pass CPU kernel."""
+    from spmd_expand.passes.sync_batch_norm import SyncBatchNorm
+
+    step = _conv_bn_step(world, spmd.DDP(), [SyncBatchNorm(by_cost=False)], dtype=torch.float64)
+    all_reduces = [n for n in step.last.local_graph.graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default]
+    forward = [n for n in all_reduces if n.args[0].target is torch.ops.aten.sum.dim_IntList]
+    assert sorted(n.meta["val"].numel() for n in forward) == [6, 6, 6, 6, 8, 8], forward
 
 
 def test_sync_batch_norm_chooses_by_cost(world):
@@ -587,7 +600,7 @@ def test_sync_batch_norm_chooses_by_cost(world):
     left = [n.target for n in large.last.traced.graph_module.graph.nodes if n.target in _BATCH_NORM_OPS]
     assert sorted(map(str, left)) == ["aten._native_batch_norm_legit.no_stats", "aten.native_batch_norm_backward.default"]
     sums = [n for n in large.last.local_graph.graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default]
-    assert sorted(n.meta["val"].numel() for n in sums if n.args[0].target is torch.ops.aten.sum.dim_IntList) == [6, 6, 8, 8]
+    assert sorted(n.meta["val"].numel() for n in sums if n.meta["val"].dtype == torch.float64) == [12, 16]
 
 
 def test_sync_batch_norm_runs_once_and_only_where_the_batch_is_split(world):
