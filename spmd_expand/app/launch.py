@@ -73,9 +73,9 @@ def run_local(
     with ``os._exit``, skipping the interpreter shutdown in which gloo is known to abort.
 
     The rendezvous is a ``TCPStore`` served by this process on 127.0.0.1, listening on a port the
-    system picks before any rank starts. (A port picked free and handed to rank 0 to listen on can be
-    taken meanwhile, and a rank retrying its connection to a port nobody listens on yet can connect
-    to itself, which TCP allows: both hang the rendezvous.)
+    system picks before any rank starts. (A port picked free and handed to rank 0 to listen on could
+    be taken meanwhile, which needed a retry loop, and a rank retrying its connection to a port
+    nobody listens on yet can end up connected to itself, which TCP allows.)
 
     A run that times out shows where each unfinished rank was: the Python stacks of its threads, which
     the rank writes (:mod:`faulthandler`) when asked with ``SIGUSR1`` (not on Windows).
