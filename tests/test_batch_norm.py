@@ -23,7 +23,7 @@ WORLD = 2
 
 @pytest.fixture(scope="module")
 def results():
-    return run_local(batch_norm_cases.run_configs, WORLD, list(batch_norm_cases.CONFIGS), timeout_s=1200)
+    return run_local(batch_norm_cases.run_configs, WORLD, list(batch_norm_cases.CONFIGS), timeout_s=600)
 
 
 def _ranks(results, name: str) -> list[dict]:

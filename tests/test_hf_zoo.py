@@ -56,7 +56,7 @@ GRADIENT_COLLECTIVE = {
 @pytest.fixture(scope="module")
 def zoo():
     """Every run of ``RUNS``, on one spawn of 2 ranks for the whole module."""
-    return run_local(hf_zoo.run_zoo, 2, RUNS, 3, timeout_s=1800)
+    return run_local(hf_zoo.run_zoo, 2, RUNS, 3, timeout_s=600)
 
 
 @pytest.mark.parametrize("name,plan,lower", RUNS, ids=["-".join(run) for run in RUNS])

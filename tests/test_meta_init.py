@@ -38,7 +38,7 @@ BLOCK = "layers."
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_local(meta_init_cases.run, 2, RUNS, str(tmp_path_factory.mktemp("checkpoints")), timeout_s=1200)
+    return run_local(meta_init_cases.run, 2, RUNS, str(tmp_path_factory.mktemp("checkpoints")), timeout_s=600)
 
 
 def _ok(per_rank, run):

@@ -32,7 +32,7 @@ SGD_PARAM_ATOL = 1e-3
 
 @pytest.fixture(scope="module")
 def results():
-    per_rank = run_local(cases.run_cases, 2, list(cases.CASES), timeout_s=1200)
+    per_rank = run_local(cases.run_cases, 2, list(cases.CASES), timeout_s=600)
     return per_rank
 
 

@@ -55,7 +55,7 @@ def results():
     def get(world: int, lower: str, names: list[str], plan: str = "ddp") -> dict:
         key = (world, lower, plan)
         if key not in memo:
-            memo[key] = run_local(cases.run_cases, world, names, 3, lower, plan, timeout_s=1200)
+            memo[key] = run_local(cases.run_cases, world, names, 3, lower, plan, timeout_s=600)
         return memo[key]
 
     return get

@@ -46,7 +46,7 @@ def results():
     def get(lower: str) -> list[dict]:
         if lower not in memo:
             runs = EAGER_RUNS if lower == "eager" else INDUCTOR_RUNS
-            memo[lower] = run_local(random_cases.run_random_cases, 2, runs, lower, timeout_s=1200)
+            memo[lower] = run_local(random_cases.run_random_cases, 2, runs, lower, timeout_s=600)
         return memo[lower]
 
     return get

@@ -46,12 +46,12 @@ RUNS_W4 = [("gpt", "fsdp+tp", "eager"), ("llama", "fsdp+tp", "eager")]
 
 @pytest.fixture(scope="module")
 def results_w2():
-    return run_local(compile_cases.run_loops, 2, RUNS_W2, 3, timeout_s=1200)
+    return run_local(compile_cases.run_loops, 2, RUNS_W2, 3, timeout_s=600)
 
 
 @pytest.fixture(scope="module")
 def results_w4():
-    return run_local(compile_cases.run_loops, 4, RUNS_W4, 3, timeout_s=1200)
+    return run_local(compile_cases.run_loops, 4, RUNS_W4, 3, timeout_s=600)
 
 
 def _check(per_rank: list[dict], run: tuple) -> None:

@@ -39,7 +39,7 @@ def results():
     def get(two_d: bool, lower: str = "eager") -> list[dict]:
         if (two_d, lower) not in memo:
             names = FSDP_TP_2X2 if two_d else TP_W2 if lower == "eager" else TP_INDUCTOR_W2
-            memo[two_d, lower] = run_local(tp_cases.run_tp_cases, 4 if two_d else 2, names, two_d, 3, lower, timeout_s=1200)
+            memo[two_d, lower] = run_local(tp_cases.run_tp_cases, 4 if two_d else 2, names, two_d, 3, lower, timeout_s=600)
         return memo[two_d, lower]
 
     return get

@@ -56,7 +56,7 @@ def results():
 
     def get(plan: str, names: list[str], world: int = 2, lower: str = "eager") -> list[dict]:
         if (plan, lower) not in memo:
-            memo[plan, lower] = run_local(loops.run_scenarios, world, names, plan, lower, timeout_s=1200)
+            memo[plan, lower] = run_local(loops.run_scenarios, world, names, plan, lower, timeout_s=600)
         return memo[plan, lower]
 
     return get
