@@ -67,7 +67,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from ..errors import PassError
 from ..ops import LAYOUT
-from ..spec import tensor_meta
+from ..spec import replicate, tensor_spec
 from .manager import SpmdPass
 
 __all__ = ["SyncBatchNorm", "statistics_are_cheaper", "sync_batch_norm"]
@@ -237,14 +237,11 @@ def statistics_are_cheaper(x: torch.Tensor, mesh: Any, mesh_dims: Sequence[int])
     of ``mesh``, by DTensor's ``redistribute_cost`` (microseconds; module docstring)."""
     from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor._collective_utils import redistribute_cost
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-
-    def spec(val: torch.Tensor, placement: Any) -> DTensorSpec:
-        placements = tuple(placement if m in mesh_dims else Replicate() for m in range(mesh.ndim))
-        return DTensorSpec(mesh, placements, tensor_meta=tensor_meta(val))
 
     def moved(val: torch.Tensor, placement: Any) -> float:
-        return float(redistribute_cost(spec(val, placement), spec(val, Replicate())))
+        """DTensor's cost of making ``val``, ``placement`` on ``mesh_dims``, replicated."""
+        placements = [placement if m in mesh_dims else Replicate() for m in range(mesh.ndim)]
+        return float(redistribute_cost(tensor_spec(mesh, placements, val), tensor_spec(mesh, replicate(mesh), val)))
 
     channels = x.shape[1]
     acc = get_computation_dtype(x.dtype)
