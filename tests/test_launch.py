@@ -98,12 +98,14 @@ def test_timeout_kills_ranks_and_names_them() -> None:
         run_local(sleep_forever, WORLD, timeout_s=3)
 
 
-@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="stacks are asked for with SIGUSR1")
 def test_timeout_shows_where_each_rank_hangs() -> None:
     # Long enough for both ranks to start (spawn, import torch) and reach their hang.
     with pytest.raises(TimeoutError) as info:
         run_local(rank_one_never_arrives, WORLD, timeout_s=20)
     message = str(info.value)
+    if not hasattr(signal, "SIGUSR1"):  # Windows: no signal to ask with, and the error says so
+        assert "stacks are not available on this platform" in message, message
+        return
     rank0, rank1 = message.split("--- rank 0 ---")[1].split("--- rank 1 ---")
     assert "in rank_one_never_arrives" in rank0 and "in barrier" in rank0, message
     assert "in rank_one_never_arrives" in rank1 and "in barrier" not in rank1, message

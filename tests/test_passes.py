@@ -26,6 +26,7 @@ from spmd_expand.passes import (
     PassContext,
     RegatherForBackward,
     SpmdPass,
+    SyncBatchNorm,
     default_passes,
     resolve_passes,
     run_passes,
@@ -537,8 +538,7 @@ def _conv_bn_step(mesh, plan, passes, batch=2, size=8, dtype=torch.float32):
         torch.nn.Conv2d(8, 6, 3, padding=1), torch.nn.BatchNorm2d(6), torch.nn.ReLU(),
         torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
         torch.nn.BatchNorm1d(6, affine=False, track_running_stats=False), torch.nn.Linear(6, 5),
-    )
-    model = model.to(dtype)
+    ).to(dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     compiled = spmd.compile(mesh=mesh, plan=plan, lower="eager", passes=passes)(classification_step)
     compiled(model, optimizer, torch.randn(batch, 3, size, size, dtype=dtype), torch.randint(0, 5, (batch,)))
@@ -556,8 +556,6 @@ def test_sync_batch_norm_keeps_activations_on_their_ranks(world):
     """Under DDP the BatchNorms' inputs were all-gathered (DTensor has no batch-sharded batch-norm
     strategy); with the pass each BatchNorm all-reduces its two per-channel sums forward and the two sums of
     its backward in one collective each, and nothing is gathered."""
-    from spmd_expand.passes.sync_batch_norm import SyncBatchNorm
-
     before = _conv_bn_step(world, spmd.DDP(), [])
     after = _conv_bn_step(world, spmd.DDP(), [SyncBatchNorm(by_cost=False)])
     assert collective_stats(before.last.local_graph).as_dict()["all_gather"]["count"] > 0
@@ -581,8 +579,6 @@ def test_sync_batch_norm_keeps_activations_on_their_ranks(world):
 def test_sync_batch_norm_of_a_float64_model_takes_two_passes(world):
     """float64 has no wider type to accumulate the one-pass sums in: the sum, then the sum of squared
     deviations, one all-reduce each (``C`` float64 elements), as torch's two-pass CPU kernel."""
-    from spmd_expand.passes.sync_batch_norm import SyncBatchNorm
-
     step = _conv_bn_step(world, spmd.DDP(), [SyncBatchNorm(by_cost=False)], dtype=torch.float64)
     all_reduces = [n for n in step.last.local_graph.graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default]
     forward = [n for n in all_reduces if n.args[0].target is torch.ops.aten.sum.dim_IntList]
@@ -604,7 +600,7 @@ def test_sync_batch_norm_chooses_by_cost(world):
 
 
 def test_sync_batch_norm_runs_once_and_only_where_the_batch_is_split(world):
-    from spmd_expand.passes.sync_batch_norm import SyncBatchNorm, sync_batch_norm
+    from spmd_expand.passes.sync_batch_norm import sync_batch_norm
 
     step = _conv_bn_step(world, spmd.DDP(), [])
     gm = copy_graph_module(step.last.traced.graph_module)
