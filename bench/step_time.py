@@ -9,6 +9,9 @@ same global batch split over 2 local CPU ranks (one intra-op thread each):
 * ``torch_fsdp2``: ``fully_shard`` on each block and the root, eager;
 * ``spmd_backend_ddp`` / ``spmd_backend_fsdp``: ``spmd.parallelize`` then ``torch.compile(model,
   backend="spmd")`` (Inductor, default passes), with the eager optimizer: the user's own loop;
+* ``spmd_backend_ddp_compiled_optimizer`` / ``spmd_backend_fsdp_compiled_optimizer``: the same loop
+  with ``torch.compile(optimizer.step)`` (torch's compiled-optimizer recipe, on the DTensor
+  parameters): the optimizer's update in a few fused kernels instead of eager DTensor foreach ops;
 * ``torch_compile_ddp``: ``torch.compile`` of the DDP module (DDPOptimizer splits the graph at buckets);
 * (no ``torch.compile`` of an FSDP2 model: compiling it in the same process sent the spmd backend
   variant's ``GPT.forward`` frames to eager in later rounds; Dynamo's per-code-object state is shared
@@ -51,10 +54,10 @@ def _optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
 
 
-def _eager_step(model, optimizer, x, y):
+def _eager_step(model, optimizer, x, y, optimizer_step=None):
     loss = model(x, y)
     loss.backward()
-    optimizer.step()
+    (optimizer_step or optimizer.step)()
     optimizer.zero_grad()
     return loss
 
@@ -85,6 +88,14 @@ def _variants(base, config, rank):
         compiled = torch.compile(model, backend="spmd", options={"mesh": mesh, "plan": plan})
         optimizer = _optimizer(model)
         variants[f"spmd_backend_{plan_name}"] = ((lambda m=compiled, o=optimizer: _eager_step(m, o, xl, yl)), None)
+        model = copy.deepcopy(base)
+        spmd.parallelize(model, mesh, plan)
+        compiled = torch.compile(model, backend="spmd", options={"mesh": mesh, "plan": plan})
+        optimizer = _optimizer(model)
+        optimizer_step = torch.compile(optimizer.step)
+        variants[f"spmd_backend_{plan_name}_compiled_optimizer"] = (
+            (lambda m=compiled, o=optimizer, s=optimizer_step: _eager_step(m, o, xl, yl, s)), None
+        )
     model = copy.deepcopy(base)
     ddp = DistributedDataParallel(model)
     optimizer = _optimizer(ddp)

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch.distributed.tensor import DTensor
 
 import spmd_expand as spmd
@@ -34,6 +35,9 @@ class Loop:
     tp: dict | Callable[[nn.Module], dict] | None = None  # a TP plan, or how to read one from the model
     setup: Callable[[nn.Module], None] | None = None  # run on the model and on its reference copy
     allow_rnn: bool = False  # torch._dynamo.config.allow_rnn: capture nn.LSTM / nn.GRU in the graph
+    # torch's compiled-optimizer recipe on the parallelized model: `torch.compile(optimizer.step)`, the
+    # learning rate a tensor (the scheduler fills it in place: no recompilation per LR change).
+    compiled_optimizer: bool = False
 
 
 def _halve(grad):
@@ -179,6 +183,7 @@ def _t5_loss(model, ids, labels):
 
 LOOPS = {
     "gpt": Loop(lambda: build_gpt(GPT_CONFIG, seed=0), _tokens, _lm_loss, GPT_TP),
+    "gpt_compiled_optimizer": Loop(lambda: build_gpt(GPT_CONFIG, seed=0), _tokens, _lm_loss, GPT_TP, compiled_optimizer=True),
     "gpt_loss_inside": Loop(lambda: build_gpt(GPT_CONFIG, seed=0), _tokens, _lm_loss_inside, GPT_TP),
     "graph_break": Loop(lambda: torch.manual_seed(0) and BreakMLP(), _xy, _ce),
     "nested_graph_break": Loop(nested_break_mlp, _xy, _ce),
@@ -214,21 +219,26 @@ def run_loop(name: str, plan_name: str, mesh, steps: int, lower: str = "eager") 
     spmd.parallelize(model, mesh, plan)
     resolved = resolve_plan(plan, mesh, reference)
     compiled = torch.compile(model, backend="spmd", options={"mesh": mesh, "plan": plan, "lower": lower})
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1) for m in (model, reference)]
+    lr = torch.tensor(3e-3) if loop.compiled_optimizer else 3e-3
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=r, weight_decay=0.1) for m, r in ((model, lr), (reference, 3e-3))]
     schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in optimizers]
+    # aot_eager: Dynamo and AOTAutograd over the DTensor parameters and states, as Inductor gets them,
+    # without Inductor's C++ compile time.
+    optimizer_frames = CompileCounterWithBackend("aot_eager")
+    model_step = torch.compile(optimizers[0].step, backend=optimizer_frames) if loop.compiled_optimizer else optimizers[0].step
     losses, ref_losses, norms, ref_norms = [], [], [], []
     after_first = None
     for i in range(steps):
         batch = loop.batch(torch.Generator().manual_seed(100 + i))
         local = [local_slice(t, mesh, resolved.batch_placements(t)) for t in batch]
-        for m, fn, args, out, out_norms, opt, sched in (
-            (model, compiled, local, losses, norms, optimizers[0], schedulers[0]),
-            (reference, reference, batch, ref_losses, ref_norms, optimizers[1], schedulers[1]),
+        for m, fn, args, out, out_norms, opt, opt_step, sched in (
+            (model, compiled, local, losses, norms, optimizers[0], model_step, schedulers[0]),
+            (reference, reference, batch, ref_losses, ref_norms, optimizers[1], optimizers[1].step, schedulers[1]),
         ):
             loss = loop.loss(fn, *args)
             loss.backward()
             out_norms.append(_full(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)).detach())
-            opt.step()
+            opt_step()
             sched.step()
             opt.zero_grad()
             out.append(loss.detach())
@@ -250,6 +260,7 @@ def run_loop(name: str, plan_name: str, mesh, steps: int, lower: str = "eager") 
         "compilations_after_first_step": after_first,
         "loss_is_plain": type(losses[0]) is torch.Tensor,
         "grads_follow_params": grads_follow_params,
+        "optimizer_compilations": optimizer_frames.frame_count if loop.compiled_optimizer else None,
     }
 
 

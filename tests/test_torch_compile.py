@@ -28,6 +28,7 @@ RUNS_W2 = [
     ("gpt", "fsdp", "eager"),
     ("gpt", "tp", "eager"),
     ("gpt_loss_inside", "fsdp", "eager"),
+    ("gpt_compiled_optimizer", "fsdp", "eager"),
     ("graph_break", "fsdp", "eager"),
     ("nested_graph_break", "ddp", "eager"),
     ("padded_cnn", "ddp", "eager"),
@@ -66,6 +67,9 @@ def _check(per_rank: list[dict], run: tuple) -> None:
         assert r["grads_follow_params"], "param.grad should be a DTensor with its parameter's placements"
         # Later steps hit Dynamo's cache: nothing is compiled after the first step.
         assert r["compilations"] == r["compilations_after_first_step"] > 0
+        if r["optimizer_compilations"] is not None:
+            # torch.compile(optimizer.step) over the DTensor parameters: one graph for every LR the scheduler set.
+            assert r["optimizer_compilations"] == 1, r["optimizer_compilations"]
     # Each rank's loss is its local batch's mean; their mean is the global batch's.
     mean_loss = torch.stack([res[run]["losses"] for res in per_rank]).mean(0)
     torch.testing.assert_close(mean_loss, per_rank[0][run]["ref_losses"], rtol=RTOL, atol=ATOL)
