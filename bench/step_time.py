@@ -55,6 +55,7 @@ def _optimizer(model):
 
 
 def _eager_step(model, optimizer, x, y, optimizer_step=None):
+    """One step of the user's own loop; ``optimizer_step``: what updates (default ``optimizer.step``)."""
     loss = model(x, y)
     loss.backward()
     (optimizer_step or optimizer.step)()
@@ -81,21 +82,17 @@ def _variants(base, config, rank):
             step = spmd.compile(mesh=mesh, plan=preset(plan_name).build(model), passes=passes)(language_model_step)
             variants[f"spmd_{plan_name}{suffix}"] = ((lambda s=step, m=model, o=optimizer: s(m, o, xl, yl)), step)
     for plan_name in ("ddp", "fsdp"):
-        model = copy.deepcopy(base)
-        mesh = preset_mesh(plan_name, (WORLD,), "cpu")
-        plan = preset(plan_name).build(model)
-        spmd.parallelize(model, mesh, plan)
-        compiled = torch.compile(model, backend="spmd", options={"mesh": mesh, "plan": plan})
-        optimizer = _optimizer(model)
-        variants[f"spmd_backend_{plan_name}"] = ((lambda m=compiled, o=optimizer: _eager_step(m, o, xl, yl)), None)
-        model = copy.deepcopy(base)
-        spmd.parallelize(model, mesh, plan)
-        compiled = torch.compile(model, backend="spmd", options={"mesh": mesh, "plan": plan})
-        optimizer = _optimizer(model)
-        optimizer_step = torch.compile(optimizer.step)
-        variants[f"spmd_backend_{plan_name}_compiled_optimizer"] = (
-            (lambda m=compiled, o=optimizer, s=optimizer_step: _eager_step(m, o, xl, yl, s)), None
-        )
+        for compile_optimizer, suffix in ((False, ""), (True, "_compiled_optimizer")):
+            model = copy.deepcopy(base)
+            mesh = preset_mesh(plan_name, (WORLD,), "cpu")
+            plan = preset(plan_name).build(model)
+            spmd.parallelize(model, mesh, plan)
+            compiled = torch.compile(model, backend="spmd", options={"mesh": mesh, "plan": plan})
+            optimizer = _optimizer(model)
+            optimizer_step = torch.compile(optimizer.step) if compile_optimizer else optimizer.step
+            variants[f"spmd_backend_{plan_name}{suffix}"] = (
+                (lambda m=compiled, o=optimizer, s=optimizer_step: _eager_step(m, o, xl, yl, s)), None
+            )
     model = copy.deepcopy(base)
     ddp = DistributedDataParallel(model)
     optimizer = _optimizer(ddp)
