@@ -18,11 +18,13 @@ the DTensor state and the write-back; it calls :func:`compile_step` once per dis
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -174,6 +176,32 @@ BATCH_SHAPE_FIX = (
 )
 
 
+@contextlib.contextmanager
+def cyclic_gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside (``gc.disable()``, on again at exit if it was on).
+
+    A compilation creates many objects (fx nodes, fake tensors, sympy expressions), and each
+    full collection they trigger walks the whole heap, the model's and torch's objects included. The
+    collection owed runs once, after the compilation. Measured on the first call of the GPT step
+    (DDP, fake process group of 8, eager lowering; wall time of the call, that collection included):
+    L=16 layers 7.6-8.2 s instead of 8.7-9.3 (6 runs each), L=32 16.3 s instead of 17.0, peak memory
+    886 instead of 831 MiB (the compilation's cyclic garbage, kept until that collection).
+    (``gc.freeze()`` of the objects older than the compilation, the other way to spare the walk, gave
+    7.9-8.3 s at L=16 and 2% at L=32: with few old objects left to count, full collections of the new
+    ones run more often.) torch's ``torch.distributed.checkpoint.state_dict`` turns the collector off
+    around its object churn the same way.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@cyclic_gc_paused()
 def compile_step(*args: Any, lower: str, **kwargs: Any) -> StepArtifacts:
     """Run every stage once for the step's current state (:func:`expand_step`, then lower).
 
@@ -203,6 +231,7 @@ def compile_step(*args: Any, lower: str, **kwargs: Any) -> StepArtifacts:
 # FSDP (at each graph module's construction and each recompile()), now once, for the graph that
 # runs. On the fake process group (W=2, AdamW, eager, best of 6-10) this took the GPT's DDP compile
 # from 2.1 to 1.8 s, and a 2-layer MLP's from 0.45 to 0.31 s.
+@cyclic_gc_paused()
 @frame_stack_headroom
 @_use_lazy_graph_module(True)
 def expand_step(

@@ -1,0 +1,72 @@
+"""The pipeline's process-wide settings: Python's cyclic garbage collector is off while a step
+compiles (:func:`spmd_expand.pipeline.cyclic_gc_paused`) and in the state the user left it after,
+whether the compilation succeeds or fails."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+
+import spmd_expand as spmd
+import spmd_expand.pipeline as pipeline
+
+
+def _step(model, optimizer, x):
+    loss = model(x).square().mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _returns_a_float(model, optimizer, x):
+    return model(x).sum().item()
+
+
+@pytest.fixture
+def collector_seen_by_trace(monkeypatch):
+    """Whether the collector was on, each time the trace (the first stage) ran."""
+    seen = []
+    trace_step = pipeline.trace_step
+
+    def recording(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return trace_step(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "trace_step", recording)
+    return seen
+
+
+def _compile(fn, mesh):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(fn)
+    return lambda: step(model, optimizer, torch.randn(2, 4))
+
+
+def test_the_collector_is_off_while_compiling_and_on_again_after(fake_mesh, collector_seen_by_trace):
+    assert gc.isenabled()
+    _compile(_step, fake_mesh)()
+    assert collector_seen_by_trace == [False]
+    assert gc.isenabled()
+
+
+def test_a_failed_compilation_turns_the_collector_on_again(fake_mesh, collector_seen_by_trace):
+    with pytest.raises(spmd.SpmdError, match="return tensors"):
+        _compile(_returns_a_float, fake_mesh)()
+    assert collector_seen_by_trace == [False]
+    assert gc.isenabled()
+
+
+def test_a_collector_the_user_turned_off_stays_off(fake_mesh, collector_seen_by_trace):
+    gc.disable()
+    try:
+        _compile(_step, fake_mesh)()
+        assert collector_seen_by_trace == [False]
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
