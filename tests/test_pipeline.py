@@ -12,14 +12,7 @@ import torch.nn as nn
 
 import spmd_expand as spmd
 import spmd_expand.pipeline as pipeline
-
-
-def _step(model, optimizer, x):
-    loss = model(x).square().mean()
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
+from cases import mse_step
 
 
 def _returns_a_float(model, optimizer, x):
@@ -50,7 +43,7 @@ def _compile(fn, mesh):
 
 def test_the_collector_is_off_while_compiling_and_on_again_after(fake_mesh, collector_seen_by_trace):
     assert gc.isenabled()
-    _compile(_step, fake_mesh)()
+    _compile(mse_step, fake_mesh)()
     assert collector_seen_by_trace == [False]
     assert gc.isenabled()
 
@@ -65,7 +58,7 @@ def test_a_failed_compilation_turns_the_collector_on_again(fake_mesh, collector_
 def test_a_collector_the_user_turned_off_stays_off(fake_mesh, collector_seen_by_trace):
     gc.disable()
     try:
-        _compile(_step, fake_mesh)()
+        _compile(mse_step, fake_mesh)()
         assert collector_seen_by_trace == [False]
         assert not gc.isenabled()
     finally:
