@@ -62,7 +62,7 @@ from .forms import EqualForms
 from .guards import not_dense_problem
 from .lower import LOWERINGS, lower as lower_graph
 from .passes import resolve_passes
-from .pipeline import JointArtifacts, expand_joint
+from .pipeline import JointArtifacts, cyclic_gc_paused, expand_joint
 from .plans import Plan, ResolvedPlan, TensorParallel, _DataParallel, resolve_plan
 from .spec import replicate
 from .trace import InputRole, TensorSpec, TracedStep
@@ -851,6 +851,7 @@ class _Runtime:
         ]
         return cls(compiler, artifacts, slots, outputs, diff_outputs, grad_index)
 
+    @cyclic_gc_paused()  # as spmd.compile's compile_step: lowering runs on the first call of each graph
     def _lowered(self, gm: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> Callable:
         return lower_graph(gm, list(inputs), self.lower, ran_passes=self.ran_passes, mesh=self.mesh)
 

@@ -1,6 +1,7 @@
 """The pipeline's process-wide settings: Python's cyclic garbage collector is off while a step
-compiles (:func:`spmd_expand.pipeline.cyclic_gc_paused`) and in the state the user left it after,
-whether the compilation succeeds or fails."""
+compiles (:func:`spmd_expand.pipeline.cyclic_gc_paused`; for ``torch.compile(backend="spmd")`` also
+while the forward and backward graphs are lowered on their first run) and in the state the user left
+it after, whether the compilation succeeds or fails."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import spmd_expand as spmd
+import spmd_expand.backend as backend
 import spmd_expand.pipeline as pipeline
 from cases import mse_step
 
@@ -63,3 +65,22 @@ def test_a_collector_the_user_turned_off_stays_off(fake_mesh, collector_seen_by_
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_the_collector_is_off_while_the_backend_lowers_its_graphs(fake_mesh, monkeypatch):
+    seen = []
+    lower = backend.lower_graph
+
+    def recording(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return lower(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "lower_graph", recording)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    plan = spmd.DDP()
+    model = spmd.parallelize(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)), fake_mesh, plan)
+    compiled = torch.compile(model, backend="spmd", options={"mesh": fake_mesh, "plan": plan, "lower": "eager"})
+    compiled(torch.randn(2, 4)).square().mean().backward()
+    assert seen == [False, False]  # the forward graph, then the backward graph
+    assert gc.isenabled()
