@@ -4,11 +4,14 @@ Each call of ``spmd.compile``'s step checks that the model and optimizer are sti
 compiled for (:mod:`spmd_expand.guards`), collects the graph's local inputs and writes results back.
 This measures that time alone: on torch's fake process group (no communication; the per-call batch
 all-gather is skipped there), with the compiled graph replaced by a function returning the outputs of
-a real call, for MLPs of ``n`` linear layers (``2n`` parameters) trained by AdamW. Baseline in the
-same run: ``optimizer.zero_grad()`` of the same model, an O(parameters) loop in torch itself.
+a real call, for MLPs of ``n`` linear layers (``2n`` parameters) trained by AdamW. Baselines in the
+same run: ``optimizer.zero_grad()`` of the same model, an O(parameters) loop in torch itself, and a
+call of ``torch.compile(model)`` (Dynamo's guards over the module and its parameters, its inputs and
+outputs) whose compiled graph is likewise replaced by a function returning the outputs of a real call.
 
 Prints one JSON object: per parameter count, the median microseconds per call of the fast path
-(same state as the previous call) and of the full path (forced by dropping the binding each call).
+(same state as the previous call) and of the full path (forced by dropping the binding each call),
+and the baselines'.
 Run: ``python bench/call_overhead.py [--layers 4 64 500] [--calls 200]``.
 """
 
@@ -67,8 +70,27 @@ def measure(layers: int, calls: int, mesh) -> dict:
         "fast_path_us": _median_us(lambda: step(model, optimizer, x), calls),
         "full_path_us": _median_us(full, max(calls // 10, 5)),
         "torch_zero_grad_us": _median_us(lambda: optimizer.zero_grad(set_to_none=False), calls),
+        "torch_compile_call_us": _torch_compile_call_us(layers, calls),
     }
     return result
+
+
+def _torch_compile_call_us(layers: int, calls: int) -> float:
+    """Median microseconds of a call of ``torch.compile(model)`` outside its graph, for the same MLP
+    with plain parameters: the backend returns a function giving the outputs of one real run."""
+
+    def backend(gm, example_inputs):
+        outputs = gm(*example_inputs)
+        return lambda *inputs: outputs
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(4, 8)
+    compiled(x)
+    compiled(x)
+    return _median_us(lambda: compiled(x), calls)
 
 
 def main() -> None:
