@@ -84,6 +84,7 @@ from .forms import equal_forms_patched, equal_valued_form
 from .functionalize import functionalize_graph, list_functional_twin, written_values
 from .loss_parallel import MarkLossParallel
 from .plans import MixedPrecision, ParamCast
+from .stack_traces import RecordStackTraces
 
 __all__ = [
     "FloatArgument",
@@ -1258,8 +1259,11 @@ def trace_step(
             # force_eager: a model or module the user wrapped in torch.compile (`model.compile()`,
             # nanoGPT's `model = torch.compile(model)`) runs its Python forward, which make_fx records;
             # the whole step is compiled here instead.
-            with fx_traceback.preserve_node_meta(), MarkLossParallel(), torch.compiler._non_strict_tracing_context(), randomness, \
-                    _onednn_off(), torch.compiler.set_stance("force_eager"):
+            # RecordStackTraces: the nodes' stack traces, once per torch call of the step instead of
+            # once per node by the tracer (stack_traces.py).
+            with fx_traceback.preserve_node_meta(), RecordStackTraces(), MarkLossParallel(), \
+                    torch.compiler._non_strict_tracing_context(), randomness, _onednn_off(), \
+                    torch.compiler.set_stance("force_eager"):
                 autograd_graph = make_fx(step, tracing_mode="symbolic", record_stack_traces=True)(*fakes, *sym_values)
             _refuse_collectives(autograd_graph)
             _refuse_untraced_randomness(randomness)
