@@ -13,7 +13,8 @@ step (8 layers, 4,573 nodes: 0.6-0.7 s of a 4.1 s first call on the fake process
 selection once per torch call the user's code makes, walking the frames without reading any source
 line, and formats a stack it has not seen before (the same lines repeat in every layer); it hands the
 text to the tracer through ``torch.fx.traceback.current_meta``, which the tracer copies onto every node
-it records (needs ``fx_traceback.preserve_node_meta()``) and then skips its own extraction. The nodes
+it records (needs ``fx_traceback.preserve_node_meta()``) and then skips its own extraction; a stack
+already there (an ``fx.Interpreter`` replaying a Dynamo graph sets each node's) is kept. The nodes
 of a call that records none (a metadata read such as ``x.shape``, whose result may still make a node:
 ``x.T``) and the nodes nothing sets a stack for keep torch's extraction. ``loss.backward()`` (and
 ``torch.autograd.backward`` / ``grad``) gives its stack to the nodes backward records, as torch's
@@ -55,7 +56,6 @@ _METADATA_CALLS = frozenset(
 )
 _CHECKPOINT_FILE = torch.utils.checkpoint.__file__
 _KEY = "stack_trace"
-_ABSENT = object()
 
 
 class RecordStackTraces(TorchFunctionMode):
@@ -70,22 +70,19 @@ class RecordStackTraces(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        if getattr(func, "__name__", None) in _METADATA_CALLS:
-            return func(*args, **kwargs)
         meta = fx_traceback.current_meta  # read on every call: torch rebinds it
-        before = meta.get(_KEY, _ABSENT)
+        if _KEY in meta or getattr(func, "__name__", None) in _METADATA_CALLS:
+            # A stack set by someone else stays the nodes' stack, as in the tracer: an fx.Interpreter
+            # replaying a graph (the backend's Dynamo graph) sets each node's, the user's line.
+            return func(*args, **kwargs)
         text = self._text(sys._getframe(1))
         if text is None or (self._checkpoints and func in _BACKWARD_CALLS):
-            meta.pop(_KEY, None)
-        else:
-            meta[_KEY] = text
+            return func(*args, **kwargs)
+        meta[_KEY] = text
         try:
             return func(*args, **kwargs)
         finally:
-            if before is _ABSENT:
-                meta.pop(_KEY, None)
-            else:
-                meta[_KEY] = before
+            meta.pop(_KEY, None)
 
     def _text(self, frame: Any) -> Optional[str]:
         """The stack text of the frames from ``frame`` outwards: those torch's tracer keeps (the
