@@ -21,18 +21,23 @@ def _returns_a_float(model, optimizer, x):
     return model(x).sum().item()
 
 
-@pytest.fixture
-def collector_seen_by_trace(monkeypatch):
-    """Whether the collector was on, each time the trace (the first stage) ran."""
+def _collector_seen_by(monkeypatch, module, name: str) -> list[bool]:
+    """Whether the collector was on, each time ``module.name`` ran (recorded in the returned list)."""
     seen = []
-    trace_step = pipeline.trace_step
+    function = getattr(module, name)
 
     def recording(*args, **kwargs):
         seen.append(gc.isenabled())
-        return trace_step(*args, **kwargs)
+        return function(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "trace_step", recording)
+    monkeypatch.setattr(module, name, recording)
     return seen
+
+
+@pytest.fixture
+def collector_seen_by_trace(monkeypatch):
+    """Whether the collector was on, each time the trace (the first stage) ran."""
+    return _collector_seen_by(monkeypatch, pipeline, "trace_step")
 
 
 def _compile(fn, mesh):
@@ -68,14 +73,7 @@ def test_a_collector_the_user_turned_off_stays_off(fake_mesh, collector_seen_by_
 
 
 def test_the_collector_is_off_while_the_backend_lowers_its_graphs(fake_mesh, monkeypatch):
-    seen = []
-    lower = backend.lower_graph
-
-    def recording(*args, **kwargs):
-        seen.append(gc.isenabled())
-        return lower(*args, **kwargs)
-
-    monkeypatch.setattr(backend, "lower_graph", recording)
+    seen = _collector_seen_by(monkeypatch, backend, "lower_graph")
     torch._dynamo.reset()
     torch.manual_seed(0)
     plan = spmd.DDP()
