@@ -20,7 +20,8 @@ of a call that records none (a metadata read such as ``x.shape``, whose result m
 ``torch.autograd.backward`` / ``grad``) gives its stack to the nodes backward records, as torch's
 extraction does for them (backward runs with every torch function mode off, so the frames there are
 the same up to that call), unless the step checkpoints activations (``torch.utils.checkpoint``): the
-forward backward recomputes has frames of its own, so there the tracer extracts every backward node's.
+forward that backward recomputes has frames of its own, so there every backward node's stack is left
+to the tracer.
 
 The text is torch's, from the same frames, except frames below the user's call: a ``forward`` inside
 torch's own code that the call runs (``torch/_library/autograd.py`` for a custom op) is not listed.
@@ -37,8 +38,8 @@ from typing import Any, Optional
 
 import torch
 import torch.fx.proxy as fx_proxy
-import torch.utils.checkpoint
 import torch.fx.traceback as fx_traceback
+import torch.utils.checkpoint
 from torch.fx.experimental.symbolic_shapes import uninteresting_files
 from torch.overrides import TorchFunctionMode
 
