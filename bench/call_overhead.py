@@ -46,9 +46,13 @@ def _median_us(fn, calls: int) -> float:
     return 1e6 * statistics.median(samples)
 
 
-def measure(layers: int, calls: int, mesh) -> dict:
+def _mlp(layers: int) -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
+    return nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
+
+
+def measure(layers: int, calls: int, mesh) -> dict:
+    model = _mlp(layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(_step)
     x = torch.randn(4, 8)
@@ -84,9 +88,7 @@ def _torch_compile_call_us(layers: int, calls: int) -> float:
         return lambda *inputs: outputs
 
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
-    compiled = torch.compile(model, backend=backend)
+    compiled = torch.compile(_mlp(layers), backend=backend)
     x = torch.randn(4, 8)
     compiled(x)
     compiled(x)

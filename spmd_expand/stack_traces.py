@@ -43,9 +43,10 @@ import torch.utils.checkpoint
 from torch.fx.experimental.symbolic_shapes import uninteresting_files
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["RecordStackTraces"]
+__all__ = ["BACKWARD_CALLS", "RecordStackTraces"]
 
-_BACKWARD_CALLS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+# The torch calls that run autograd's backward (also what trace._StepMode treats as backward).
+BACKWARD_CALLS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 # Torch calls that read metadata: most of the calls a traced step makes, and few make nodes. They record
 # no stack (the tracer extracts one for a node they make).
 _METADATA_CALLS = frozenset(
@@ -77,7 +78,7 @@ class RecordStackTraces(TorchFunctionMode):
             # replaying a graph (the backend's Dynamo graph) sets each node's, the user's line.
             return func(*args, **kwargs)
         text = self._text(sys._getframe(1))
-        if text is None or (self._checkpoints and func in _BACKWARD_CALLS):
+        if text is None or (self._checkpoints and func in BACKWARD_CALLS):
             return func(*args, **kwargs)
         meta[_KEY] = text
         try:

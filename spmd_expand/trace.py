@@ -84,7 +84,7 @@ from .forms import equal_forms_patched, equal_valued_form
 from .functionalize import functionalize_graph, list_functional_twin, written_values
 from .loss_parallel import MarkLossParallel
 from .plans import MixedPrecision, ParamCast
-from .stack_traces import RecordStackTraces
+from .stack_traces import BACKWARD_CALLS as _BACKWARD_CALLS, RecordStackTraces
 
 __all__ = [
     "FloatArgument",
@@ -485,7 +485,6 @@ def backward_index(node: fx.Node) -> Optional[int]:
 DATA_ASSIGNMENT_KEY = "spmd_data_assignment"
 _GRAD = torch._C.TensorBase.__dict__["grad"]
 _DATA = torch._C.TensorBase.__dict__["data"]
-_BACKWARD_CALLS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 # Reads of a parameter that look at metadata only: no unshard marker for these.
 _METADATA_READS = frozenset(
     {"__get__", "__set__", "size", "dim", "numel", "stride", "nelement", "element_size", "is_contiguous",
