@@ -27,13 +27,12 @@ from . import optimizer_state
 from .errors import PassError, PlacementError, SpmdError, TraceError, UnsupportedOpError, first_line
 from .expand import RedistributeCache
 from .guards import (
-    CallState, ObjectIds, PendingCheck, Snapshot, batch_problems, cache_key, check_batch, initialize_optimizer_state, is_dense,
-    snapshot, start_check, value_digest,
+    CallState, ObjectIds, Snapshot, batch_problems, cache_key, check_batch, initialize_optimizer_state, is_dense, snapshot,
+    value_digest,
 )
 from .lower import LOWERINGS
 from .passes import resolve_passes
 from .pipeline import Override, StepArtifacts, compile_step
-from .prologue import PrologueRunner
 from .rng import generator_state
 from .plans import Plan, ResolvedPlan, resolve_plan
 from .python_values import TensorConstant, argument_key, liftable
@@ -392,19 +391,19 @@ class CompiledStep:
         # A new compilation (selected None) compares the generators when it checks its graph.
         generator = generator_state(self.mesh.device_type) if selected is not None and selected.draws_random else None
         graph = selected.graph_digest if selected is not None else None
-        call = CallState(
-            constants, hyperparameters, values, graph, model, optimizer, generator, check_values=bound is None,
-            step=self._step_name, tensor_constants=tuple((label, value_digest(t)) for label, t in held),
+        check_batch(
+            batch_leaves, self._resolved, self.mesh,
+            CallState(
+                constants, hyperparameters, values, graph, model, optimizer, generator, check_values=bound is None,
+                step=self._step_name, tensor_constants=tuple((label, value_digest(t)) for label, t in held),
+            ),
         )
-        if bound is None:
-            check_batch(batch_leaves, self._resolved, self.mesh, call)
         # The step updates local shards in place; autograd must not track that.
         with torch.no_grad():
             if bound is not None:
                 artifacts, locals_, values = bound
                 self.last = artifacts
-                outputs = _run_checked(artifacts.runner, [*locals_, *values], start_check(batch_leaves, self._resolved, self.mesh, call))
-                result = self._write_back(artifacts.traced, outputs, model, optimizer, values)
+                result = self._write_back(artifacts.traced, artifacts.runner(*locals_, *values), model, optimizer, values)
             else:
                 result = self._run(args, kwargs, model, optimizer, batch_leaves, constants, hyperparameters, values, selection)
             for i in self.last.traced.mutated_batch_leaves:
@@ -643,23 +642,6 @@ class CompiledStep:
         for assign in traced.python_writes:
             assign(values)
         return pytree.tree_unflatten(_fill(returns, traced.return_is_tensor), traced.return_spec)
-
-
-def _run_checked(runner: Callable[..., list], inputs: list, pending: Optional[PendingCheck]) -> list:
-    """Run the lowered step with the call's rank check in flight: its verdict comes after the graph's
-    prologue (:class:`~spmd_expand.prologue.PrologueRunner`), before the rest; for a graph without one,
-    before the graph. ``pending`` None: nothing is in flight (torch's fake process group)."""
-    if pending is None:
-        return runner(*inputs)
-    if not isinstance(runner, PrologueRunner):
-        pending.finish()
-        return runner(*inputs)
-    try:
-        return runner.run(inputs, pending.finish)
-    except BaseException:
-        if not pending.done:  # the prologue failed: the peers still get this rank's verdict
-            pending.finish()
-        raise
 
 
 def _in_traced_layout(batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -27,7 +27,6 @@ from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -42,7 +41,6 @@ from .expand import RedistributeCache, expand
 from .frame_stack import frame_stack_headroom
 from .graph_stats import annotate_local_values
 from .lower import lower as lower_graph
-from .prologue import PrologueRunner, split_prologue
 from .passes.manager import PassContext, PassRecord, SpmdPass, copy_graph_module, run_passes
 from .plans import ResolvedPlan
 from .propagate import propagate
@@ -211,9 +209,6 @@ def compile_step(*args: Any, lower: str, **kwargs: Any) -> StepArtifacts:
     runs once (:func:`creates_optimizer_state`) is not worth an Inductor compilation (seconds to
     minutes, most of a first call's time): it is lowered ``"eager"`` (``artifacts.lowering`` says).
     Before lowering, the ranks compare the local graph's collectives (:func:`_check_collectives_agree`).
-    On a real process group of more than one rank, a graph whose prologue holds compute is lowered as
-    two (:mod:`spmd_expand.prologue`; the rest on the first call, for the prologue's real results):
-    later calls run the prologue while their rank check is in flight.
     """
     artifacts = expand_step(*args, **kwargs)
     _check_collectives_agree(
@@ -221,16 +216,10 @@ def compile_step(*args: Any, lower: str, **kwargs: Any) -> StepArtifacts:
     )
     artifacts.lowering = "eager" if lower == "inductor" and creates_optimizer_state(artifacts.traced) else lower
     start = time.perf_counter()
-    mesh = kwargs["mesh"]
-    ran_passes = {r.name for r in artifacts.passes}
-    split = split_prologue(artifacts.local_graph) if mesh.size() > 1 and dist.get_backend() != "fake" else None
-    if split is None:
-        artifacts.runner = lower_graph(artifacts.local_graph, artifacts.example_inputs, artifacts.lowering, ran_passes, mesh)
-    else:
-        lower_rest = cyclic_gc_paused()(lambda examples: lower_graph(split.rest, examples, artifacts.lowering, ran_passes, mesh))
-        artifacts.runner = PrologueRunner(
-            lower_graph(split.prologue, artifacts.example_inputs, artifacts.lowering, ran_passes, mesh), lower_rest
-        )
+    artifacts.runner = lower_graph(
+        artifacts.local_graph, artifacts.example_inputs, artifacts.lowering, ran_passes={r.name for r in artifacts.passes},
+        mesh=kwargs["mesh"],
+    )
     artifacts.seconds["lower"] = time.perf_counter() - start
     artifacts.example_inputs = []  # this rank's tensors: not kept alive by the cache
     return artifacts

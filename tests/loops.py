@@ -25,7 +25,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 import spmd_expand as spmd
 from spmd_expand.plans import resolve_plan
 from spmd_expand.spec import local_slice
-from spmd_expand.prologue import PrologueRunner
 
 STEPS = 4
 BATCH = 8
@@ -394,16 +393,14 @@ def run_loop(
         "ref_states": states(ref_pair),
         "compilations": sum(len(v) for v in compiled.cache.values()),
         # Inductor compilations of those graphs (more than one: a float input held as a constant changed).
-        "inductor_compilations": sum(_inductor_compilations(a.runner) for v in compiled.cache.values() for a in v),
+        "inductor_compilations": sum(
+            len(getattr(getattr(a.runner, "runner", a.runner), "_compiled", ()))
+            for v in compiled.cache.values()
+            for a in v
+        ),
         "evals": compiled_pair["evals"],
         "ref_evals": ref_pair["evals"],
     }
-
-
-def _inductor_compilations(runner) -> int:
-    """How many times Inductor compiled one graph (a split graph: each of its parts, the most)."""
-    parts = [runner.prologue, runner.rest] if isinstance(runner, PrologueRunner) else [runner]
-    return max(len(getattr(getattr(p, "runner", p), "_compiled", ())) for p in parts)
 
 
 # ---------------------------------------------------------------- what changes between calls
@@ -1173,25 +1170,6 @@ def run_bad_batches(rank: int, world: int) -> dict:
     if rank == 1:
         scheduler.step()  # the fix: every rank steps it
     step(model, optimizer, *x_y)
-    # One rank takes the full path (its binding dropped here by hand; in use, any state its snapshot
-    # sees as new) while the other reuses the last graph: the fast rank runs the graph's prologue with
-    # its check in flight, meets the full-path rank's check, then both compare the replicated values and
-    # run the same graph. The results are those of calls where both ranks take the fast path.
-    def train(full_path_on_rank_0: bool):
-        torch.manual_seed(0)
-        model = TwoLayer()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(classification_step)
-        losses = []
-        for i in range(4):
-            if i == 2 and full_path_on_rank_0 and rank == 0:
-                step._binding = None
-            losses.append(float(step(model, optimizer, *_batch(i, 4))))
-        return losses, [p.full_tensor() for p in model.parameters()], type(step.last.runner).__name__
-
-    both_fast, mixed = train(False), train(True)
-    results["mixed_paths_equal"] = both_fast[0] == mixed[0] and all(torch.equal(a, b) for a, b in zip(both_fast[1], mixed[1]))
-    results["mixed_paths_runner"] = mixed[2]
     # A model left in eval() on rank 0 only (a rank-0-only evaluation that does not restore train()):
     # rank 0 would compile the eval graph while rank 1 runs its train graph ("new"), or, once both
     # graphs are compiled, each rank would run its own, whose collectives match ("cached"): silently
