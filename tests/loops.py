@@ -1170,6 +1170,24 @@ def run_bad_batches(rank: int, world: int) -> dict:
     if rank == 1:
         scheduler.step()  # the fix: every rank steps it
     step(model, optimizer, *x_y)
+    # One rank takes the full path (its binding dropped here by hand; in use, any state its snapshot
+    # sees as new) while the other reuses the last graph: the fast rank's check meets the full-path
+    # rank's, both compare the replicated values (the full path asks for it) and run the same graph.
+    # The results are those of calls where both ranks take the fast path.
+    def train(full_path_on_rank_0: bool):
+        torch.manual_seed(0)
+        model = TwoLayer()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(classification_step)
+        losses = []
+        for i in range(4):
+            if i == 2 and full_path_on_rank_0 and rank == 0:
+                step._binding = None
+            losses.append(float(step(model, optimizer, *_batch(i, 4))))
+        return losses, [p.full_tensor() for p in model.parameters()]
+
+    both_fast, mixed = train(False), train(True)
+    results["mixed_paths_equal"] = both_fast[0] == mixed[0] and all(torch.equal(a, b) for a, b in zip(both_fast[1], mixed[1]))
     # A model left in eval() on rank 0 only (a rank-0-only evaluation that does not restore train()):
     # rank 0 would compile the eval graph while rank 1 runs its train graph ("new"), or, once both
     # graphs are compiled, each rank would run its own, whose collectives match ("cached"): silently
