@@ -403,7 +403,10 @@ class CompiledStep:
             if bound is not None:
                 artifacts, locals_, values = bound
                 self.last = artifacts
-                outputs = _run_checked(artifacts.runner, [*locals_, *values], start_check(batch_leaves, self._resolved, self.mesh, call))
+                outputs = _run_checked(
+                    artifacts.runner, [*locals_, *values],
+                    lambda count: start_check(batch_leaves, self._resolved, self.mesh, call, count),
+                )
                 result = self._write_back(artifacts.traced, outputs, model, optimizer, values)
             else:
                 result = self._run(args, kwargs, model, optimizer, batch_leaves, constants, hyperparameters, values, selection)
@@ -645,20 +648,26 @@ class CompiledStep:
         return pytree.tree_unflatten(_fill(returns, traced.return_is_tensor), traced.return_spec)
 
 
-def _run_checked(runner: Callable[..., list], inputs: list, pending: Optional[PendingCheck]) -> list:
-    """Run the lowered step with the call's rank check in flight: its verdict comes after the graph's
-    prologue (:class:`~spmd_expand.prologue.PrologueRunner`), before the rest; for a graph without one,
-    before the graph. ``pending`` None: nothing is in flight (torch's fake process group)."""
-    if pending is None:
-        return runner(*inputs)
+def _run_checked(runner: Callable[..., list], inputs: list, start: Callable[[int], Optional[PendingCheck]]) -> list:
+    """Run the lowered step with the call's rank check (``start(count)``: :func:`~spmd_expand.guards.start_check`)
+    in flight: its verdict comes after the graph's prologue (:class:`~spmd_expand.prologue.PrologueRunner`),
+    before the rest; for a graph without one, before the graph."""
     if not isinstance(runner, PrologueRunner):
-        pending.finish()
-        return runner(*inputs)
-    try:
-        return runner.run(inputs, pending.finish)
-    except BaseException:
-        if not pending.done:  # the prologue failed: the peers still get this rank's verdict
+        pending = start(0)
+        if pending is not None:
             pending.finish()
+        return runner(*inputs)
+    started: list = []
+
+    def check(count: int) -> Optional[Callable[[], Optional[int]]]:
+        started.append(start(count))
+        return started[0].finish if started[0] is not None else None
+
+    try:
+        return runner.run(inputs, check)
+    except BaseException:
+        if started and started[0] is not None and not started[0].done:
+            started[0].finish()  # this rank failed before its verdict: the peers still get it
         raise
 
 

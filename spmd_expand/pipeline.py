@@ -41,6 +41,7 @@ from .errors import TraceError
 from .expand import RedistributeCache, expand
 from .frame_stack import frame_stack_headroom
 from .graph_stats import annotate_local_values
+from .guards import mesh_group
 from .lower import lower as lower_graph
 from .prologue import PrologueRunner, split_prologue
 from .passes.manager import PassContext, PassRecord, SpmdPass, copy_graph_module, run_passes
@@ -223,13 +224,16 @@ def compile_step(*args: Any, lower: str, **kwargs: Any) -> StepArtifacts:
     start = time.perf_counter()
     mesh = kwargs["mesh"]
     ran_passes = {r.name for r in artifacts.passes}
-    split = split_prologue(artifacts.local_graph) if mesh.size() > 1 and dist.get_backend() != "fake" else None
+    split = None
+    if mesh.size() > 1 and dist.get_backend() != "fake":
+        split = split_prologue(artifacts.local_graph, frozenset(dist.get_process_group_ranks(mesh_group(mesh))))
     if split is None:
         artifacts.runner = lower_graph(artifacts.local_graph, artifacts.example_inputs, artifacts.lowering, ran_passes, mesh)
     else:
         lower_rest = cyclic_gc_paused()(lambda examples: lower_graph(split.rest, examples, artifacts.lowering, ran_passes, mesh))
         artifacts.runner = PrologueRunner(
-            lower_graph(split.prologue, artifacts.example_inputs, artifacts.lowering, ran_passes, mesh), lower_rest
+            lower_graph(split.prologue, artifacts.example_inputs, artifacts.lowering, ran_passes, mesh), lower_rest,
+            split.count, split.count_group, split.count_node,
         )
     artifacts.seconds["lower"] = time.perf_counter() - start
     artifacts.example_inputs = []  # this rank's tensors: not kept alive by the cache

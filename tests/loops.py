@@ -1175,8 +1175,15 @@ def run_bad_batches(rank: int, world: int) -> dict:
     step(model, optimizer, *x_y)
     # One rank takes the full path (its binding dropped here by hand; in use, any state its snapshot
     # sees as new) while the other reuses the last graph: the fast rank runs the graph's prologue with
-    # its check in flight, meets the full-path rank's check, then both compare the replicated values and
-    # run the same graph. The results are those of calls where both ranks take the fast path.
+    # its check in flight, meets the full-path rank's check, then both compare the replicated values,
+    # all-reduce the loss denominator themselves (the fast path sends it in the check) and run the
+    # same graph. Rank 0's targets are partly ignored (-100), so the ranks' denominators differ. The
+    # results are those of one device on the global batch, and of calls where both ranks take the fast path.
+    def global_batch(i):
+        x, y = _batch(i, 8)
+        y[1:4] = -100
+        return x, y
+
     def train(full_path_on_rank_0: bool):
         torch.manual_seed(0)
         model = TwoLayer()
@@ -1186,11 +1193,20 @@ def run_bad_batches(rank: int, world: int) -> dict:
         for i in range(4):
             if i == 2 and full_path_on_rank_0 and rank == 0:
                 step._binding = None
-            losses.append(float(step(model, optimizer, *_batch(i, 4))))
+            x, y = global_batch(i)
+            losses.append(float(step(model, optimizer, x[4 * rank:4 * rank + 4], y[4 * rank:4 * rank + 4])))
         return losses, [p.full_tensor() for p in model.parameters()], type(step.last.runner).__name__
 
+    torch.manual_seed(0)
+    reference = TwoLayer()
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ref_losses = [float(classification_step(reference, ref_optimizer, *global_batch(i))) for i in range(4)]
     both_fast, mixed = train(False), train(True)
     results["mixed_paths_equal"] = both_fast[0] == mixed[0] and all(torch.equal(a, b) for a, b in zip(both_fast[1], mixed[1]))
+    results["mixed_paths_match_one_device"] = torch.allclose(torch.tensor(mixed[0]), torch.tensor(ref_losses), atol=1e-6) and all(
+        torch.allclose(a, b, atol=1e-6) for a, b in zip(mixed[1], reference.parameters())
+    )
+    results["mixed_paths_runner"] = mixed[2]
     results["mixed_paths_runner"] = mixed[2]
     # A model left in eval() on rank 0 only (a rank-0-only evaluation that does not restore train()):
     # rank 0 would compile the eval graph while rank 1 runs its train graph ("new"), or, once both

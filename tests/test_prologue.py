@@ -62,10 +62,15 @@ def test_split_keeps_values_writes_and_draws():
         assert len(examples) == 3 + split.carried
         return lambda *args: (order.append("rest"), split.rest(*args))[1]
 
+    def start(count):
+        assert count == 0  # no folded all-reduce in this graph
+        order.append("check issued")
+        return lambda: order.append("verdict")
+
     runner = PrologueRunner(prologue, lower_rest)
     torch.manual_seed(1)
-    got = runner.run([w, x, buf], lambda: order.append("check"))
-    assert order == ["prologue", "check", "rest"]
+    got = runner.run([w, x, buf], start)
+    assert order == ["check issued", "prologue", "verdict", "rest"]
     assert torch.equal(got, expected) and torch.equal(buf, expected_buf)
     order.clear()
     runner(w, x, buf)  # without a check: both parts back to back
@@ -104,6 +109,20 @@ def test_ddp_step_prologue_is_the_forward(fake_mesh):
     assert count(split.rest.graph) == count(gm.graph) > 0
     # On torch's fake process group no check is exchanged: the step's runner is not split.
     assert not isinstance(step.last.runner, PrologueRunner)
+    # The loss denominator's all-reduce travels in the check when it spans the check's ranks.
+    assert split.count is None
+    folded = split_prologue(gm, frozenset(range(4)))
+    assert folded.count is not None and folded.count_node
+    assert count(folded.rest.graph) == count(gm.graph) - 1
+    targets = torch.tensor([1, -100, 2, -100, 0, 3, 1, 2])
+    roles = step.last.traced.inputs  # one per placeholder, then the hyperparameters
+    inputs = [
+        targets if i < len(roles) and roles[i].kind == "batch" and str(roles[i].key) == "1" else None
+        for i, _ in enumerate(gm.graph.find_nodes(op="placeholder"))
+    ]
+    assert folded.count(*inputs)[0].item() == 6  # this rank's targets not ignored
+    # Not over other ranks than the check's (a 2-D mesh's data-parallel dim).
+    assert split_prologue(gm, frozenset(range(8))).count is None
 
 
 def test_fsdp_step_has_no_prologue_worth_splitting(fake_mesh):
