@@ -212,7 +212,7 @@ def compile_step(*args: Any, lower: str, **kwargs: Any) -> StepArtifacts:
     runs once (:func:`creates_optimizer_state`) is not worth an Inductor compilation (seconds to
     minutes, most of a first call's time): it is lowered ``"eager"`` (``artifacts.lowering`` says).
     Before lowering, the ranks compare the local graph's collectives (:func:`_check_collectives_agree`).
-    On a real process group of more than one rank, a graph whose prologue holds compute is lowered as
+    On a real CPU process group of more than one rank, a graph whose prologue holds compute is lowered as
     two (:mod:`spmd_expand.prologue`; the rest on the first call, for the prologue's real results):
     later calls run the prologue while their rank check is in flight.
     """
@@ -225,7 +225,10 @@ def compile_step(*args: Any, lower: str, **kwargs: Any) -> StepArtifacts:
     mesh = kwargs["mesh"]
     ran_passes = {r.name for r in artifacts.passes}
     split = None
-    if mesh.size() > 1 and dist.get_backend() != "fake":
+    # CPU meshes only: measured there (gloo, where a collective's wait blocks the rank). On NCCL a wait
+    # orders streams without blocking the host, while the check's verdict (and a folded count) does;
+    # whether the split pays there is unmeasured (no GPU at hand when it was written).
+    if mesh.size() > 1 and mesh.device_type == "cpu" and dist.get_backend() != "fake":
         split = split_prologue(artifacts.local_graph, frozenset(dist.get_process_group_ranks(mesh_group(mesh))))
     if split is None:
         artifacts.runner = lower_graph(artifacts.local_graph, artifacts.example_inputs, artifacts.lowering, ran_passes, mesh)
