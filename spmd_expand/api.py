@@ -648,18 +648,18 @@ class CompiledStep:
         return pytree.tree_unflatten(_fill(returns, traced.return_is_tensor), traced.return_spec)
 
 
-def _run_checked(runner: Callable[..., list], inputs: list, start: Callable[[int], Optional[PendingCheck]]) -> list:
+def _run_checked(runner: Callable[..., list], inputs: list, start: Callable[[Optional[int]], Optional[PendingCheck]]) -> list:
     """Run the lowered step with the call's rank check (``start(count)``: :func:`~spmd_expand.guards.start_check`)
     in flight: its verdict comes after the graph's prologue (:class:`~spmd_expand.prologue.PrologueRunner`),
     before the rest; for a graph without one, before the graph."""
     if not isinstance(runner, PrologueRunner):
-        pending = start(0)
+        pending = start(None)
         if pending is not None:
             pending.finish()
         return runner(*inputs)
     started: list = []
 
-    def check(count: int) -> Optional[Callable[[], Optional[int]]]:
+    def check(count: Optional[int]) -> Optional[Callable[[], Optional[int]]]:
         started.append(start(count))
         return started[0].finish if started[0] is not None else None
 

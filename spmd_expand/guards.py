@@ -410,7 +410,7 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: Optional[ResolvedPlan], me
     draws random numbers (``call.generator``), and, on calls that compile or select a graph
     (``call.check_values``), for the values of batch tensors a mesh dim replicates
     (:func:`replicated_values`; a 0-d tensor argument's value on every call). Costs one all-gather of
-    6 int64 per call over the mesh's ranks, and
+    7 int64 per call over the mesh's ranks, and
     one ``all_gather_object`` more where values are compared (skipped on torch's fake process group,
     which has one real process). A compiled step's calls that reuse the last call's graph issue the
     all-gather and run the graph's prologue while it is in flight (:func:`start_check`).
@@ -433,13 +433,15 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: Optional[ResolvedPlan], me
 
 
 def start_check(
-    leaves: Sequence[torch.Tensor], plan: Optional[ResolvedPlan], mesh: DeviceMesh, call: CallState = CallState(), count: int = 0
+    leaves: Sequence[torch.Tensor], plan: Optional[ResolvedPlan], mesh: DeviceMesh, call: CallState = CallState(),
+    count: Optional[int] = None,
 ) -> Optional["PendingCheck"]:
     """:func:`check_batch` in two halves: issue the all-gather and return at once; the caller calls
     :meth:`PendingCheck.finish` (wait, compare, raise) before anything other ranks could see or the step
     cannot take back (the first collective, the first write into an input: :mod:`spmd_expand.prologue`).
     ``count``: an integer the ranks sum (:func:`~spmd_expand.prologue.folded_all_reduce`), sent in the
-    row's last column and not compared; ``finish`` returns the sum.
+    row's last column (not compared; the column before says whether a rank sent one, and is);
+    ``finish`` returns the sum.
 
     Returns None when nothing is pending: on torch's fake process group (a local problem raises here),
     or when this rank's batch has a problem already (then the whole check runs here and raises).
@@ -465,12 +467,13 @@ def start_check(
             int(bool(problems)),
             zlib.crc32(repr((constants, values, call.graph, call.generator, call.distributes, call.step, scalars, call.tensor_constants)).encode()),
             int(call.check_values),
-            count,
+            int(count is not None),
+            count or 0,
         ],
         dtype=torch.int64,
         device=mesh.device_type,
     )
-    gathered = torch.empty(dist.get_world_size(group) * 6, dtype=torch.int64, device=digest.device)
+    gathered = torch.empty(dist.get_world_size(group) * 7, dtype=torch.int64, device=digest.device)
     try:
         work = dist.all_gather_single(gathered, digest, group=group, async_op=True)
     except Exception as e:
@@ -516,7 +519,7 @@ class PendingCheck:
 
 def _check_failed(error: Exception, group: Any) -> CollectiveError:
     return CollectiveError(
-        f"rank {dist.get_rank()}: the batch check before the step (an all_gather of 6 int64 over the mesh's "
+        f"rank {dist.get_rank()}: the batch check before the step (an all_gather of 7 int64 over the mesh's "
         f"ranks {dist.get_process_group_ranks(group)}) failed: {first_line(error)}. "
         f"Another rank failed or stopped calling the step (look for its error first; or its data loader ran "
         f"out first: give every rank the same number of batches, e.g. DistributedSampler, which pads to equal "
@@ -525,12 +528,18 @@ def _check_failed(error: Exception, group: Any) -> CollectiveError:
 
 
 def _verdict(gathered, group, leaves, plan, mesh, call, shapes, problems, constants, values, scalars) -> Optional[int]:
-    rows = gathered.view(-1, 6).tolist()
+    rows = gathered.view(-1, 7).tolist()
     if all(row[:4] == rows[0][:4] for row in rows) and not rows[0][2]:
         if any(row[4] for row in rows):  # every rank sees it: all take part
             _check_replicated_values(leaves, plan, mesh, group)
             return None
-        return sum(row[5] for row in rows)
+        if any(row[5] != rows[0][5] for row in rows):
+            raise SpmdError(
+                "internal error: the ranks run the same compiled graph, but only some send a count in the "
+                f"per-call check (ranks {dist.get_process_group_ranks(group)}: {[row[5] for row in rows]}; "
+                "spmd_expand/prologue.py splits every rank's graph alike); the step did not run. Please report it"
+            )
+        return sum(row[6] for row in rows)
     # Something differs: every rank learns the details, and every rank raises the same error.
     rows_agree = all(row[:3] == rows[0][:3] for row in rows) and not rows[0][2]  # column 3 differs
     summary = state_summary(call.model, call.optimizer) if rows_agree else None

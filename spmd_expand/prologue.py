@@ -287,9 +287,9 @@ class PrologueRunner:
     def __call__(self, *args: Any) -> list:
         return self.run(args, None)
 
-    def run(self, args: Sequence[Any], start: Optional[Callable[[int], Optional[Callable[[], Optional[int]]]]]) -> list:
+    def run(self, args: Sequence[Any], start: Optional[Callable[[Optional[int]], Optional[Callable[[], Optional[int]]]]]) -> list:
         """Run the step. ``start(count)`` (None: no check) issues the rank check with this rank's
-        folded count (0 without one) and returns its verdict, a callable that waits, raises when the
+        folded count (None without one) and returns its verdict, a callable that waits, raises when the
         ranks differ, and returns the sum of every rank's count, or None where the ranks must
         all-reduce it themselves (a rank took the full path: it sent no count); None: nothing to wait."""
         count = None
@@ -297,7 +297,8 @@ class PrologueRunner:
             if self.count is not None:
                 count = self.count(*args)[0]
         finally:
-            finish = start(int(count) if count is not None else 0) if start is not None else None
+            # Also when the count failed: the peers still get this rank's check.
+            finish = start(int(count) if count is not None else None) if start is not None else None
         carried = list(self.prologue(*args))
         first = self.rest is None
         if first:

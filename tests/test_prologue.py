@@ -6,6 +6,7 @@ fast-path rank meeting a full-path one) is in tests/loops.py's refused-batch cas
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -63,7 +64,7 @@ def test_split_keeps_values_writes_and_draws():
         return lambda *args: (order.append("rest"), split.rest(*args))[1]
 
     def start(count):
-        assert count == 0  # no folded all-reduce in this graph
+        assert count is None  # no folded all-reduce in this graph
         order.append("check issued")
         return lambda: order.append("verdict")
 
@@ -135,3 +136,17 @@ def test_fsdp_step_has_no_prologue_worth_splitting(fake_mesh):
     step(model, optimizer, x, y)
     # The first all-gather comes before any matrix product: nothing to run under the check.
     assert split_prologue(step.last.local_graph) is None
+
+
+def test_the_check_sums_the_counts_only_when_every_rank_sent_one(fake_mesh):
+    from spmd_expand.guards import _verdict, mesh_group
+
+    group = mesh_group(fake_mesh)
+
+    def verdict(flags, counts):
+        rows = torch.tensor([[7, 2, 0, 9, 0, f, c] for f, c in zip(flags, counts)])
+        return _verdict(rows.flatten(), group, [], None, fake_mesh, None, [], [], (), (), ())
+
+    assert verdict([1, 1, 1, 1], [3, 0, 5, 1]) == 9
+    with pytest.raises(spmd.SpmdError, match="only some send a count"):
+        verdict([1, 0, 1, 1], [3, 0, 5, 1])
