@@ -50,7 +50,6 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from .errors import CollectiveError, first_line
-
 from .graph_stats import COLLECTIVES
 from .passes.feeders import WAIT, aliases_input
 from .rng import draws_random
