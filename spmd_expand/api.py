@@ -27,12 +27,13 @@ from . import optimizer_state
 from .errors import PassError, PlacementError, SpmdError, TraceError, UnsupportedOpError, first_line
 from .expand import RedistributeCache
 from .guards import (
-    CallState, ObjectIds, Snapshot, batch_problems, cache_key, check_batch, initialize_optimizer_state, is_dense, snapshot,
-    value_digest,
+    CallState, ObjectIds, PendingCheck, Snapshot, batch_problems, cache_key, check_batch, initialize_optimizer_state, is_dense,
+    snapshot, start_check, value_digest,
 )
 from .lower import LOWERINGS
 from .passes import resolve_passes
 from .pipeline import Override, StepArtifacts, compile_step
+from .prologue import PrologueRunner
 from .rng import generator_state
 from .plans import Plan, ResolvedPlan, resolve_plan
 from .python_values import TensorConstant, argument_key, liftable
@@ -391,19 +392,22 @@ class CompiledStep:
         # A new compilation (selected None) compares the generators when it checks its graph.
         generator = generator_state(self.mesh.device_type) if selected is not None and selected.draws_random else None
         graph = selected.graph_digest if selected is not None else None
-        check_batch(
-            batch_leaves, self._resolved, self.mesh,
-            CallState(
-                constants, hyperparameters, values, graph, model, optimizer, generator, check_values=bound is None,
-                step=self._step_name, tensor_constants=tuple((label, value_digest(t)) for label, t in held),
-            ),
+        call = CallState(
+            constants, hyperparameters, values, graph, model, optimizer, generator, check_values=bound is None,
+            step=self._step_name, tensor_constants=tuple((label, value_digest(t)) for label, t in held),
         )
+        if bound is None:
+            check_batch(batch_leaves, self._resolved, self.mesh, call)
         # The step updates local shards in place; autograd must not track that.
         with torch.no_grad():
             if bound is not None:
                 artifacts, locals_, values = bound
                 self.last = artifacts
-                result = self._write_back(artifacts.traced, artifacts.runner(*locals_, *values), model, optimizer, values)
+                outputs = _run_checked(
+                    artifacts.runner, [*locals_, *values],
+                    lambda count: start_check(batch_leaves, self._resolved, self.mesh, call, count),
+                )
+                result = self._write_back(artifacts.traced, outputs, model, optimizer, values)
             else:
                 result = self._run(args, kwargs, model, optimizer, batch_leaves, constants, hyperparameters, values, selection)
             for i in self.last.traced.mutated_batch_leaves:
@@ -642,6 +646,29 @@ class CompiledStep:
         for assign in traced.python_writes:
             assign(values)
         return pytree.tree_unflatten(_fill(returns, traced.return_is_tensor), traced.return_spec)
+
+
+def _run_checked(runner: Callable[..., list], inputs: list, start: Callable[[Optional[int]], Optional[PendingCheck]]) -> list:
+    """Run the lowered step with the call's rank check (``start(count)``: :func:`~spmd_expand.guards.start_check`)
+    in flight: its verdict comes after the graph's prologue (:class:`~spmd_expand.prologue.PrologueRunner`),
+    before the rest; for a graph without one, before the graph."""
+    if not isinstance(runner, PrologueRunner):
+        pending = start(None)
+        if pending is not None:
+            pending.finish()
+        return runner(*inputs)
+    started: list = []
+
+    def check(count: Optional[int]) -> Optional[Callable[[], Optional[int]]]:
+        started.append(start(count))
+        return started[0].finish if started[0] is not None else None
+
+    try:
+        return runner.run(inputs, check)
+    except BaseException:
+        if started and started[0] is not None and not started[0].done:
+            started[0].finish()  # this rank failed before its verdict: the peers still get it
+        raise
 
 
 def _in_traced_layout(batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -79,7 +79,7 @@ from .rng import GENERATOR_FIX
 from .trace import FloatArgument, FloatConstant, HyperParameter
 from .watch import is_communication_failure
 
-__all__ = ["CallState", "ObjectIds", "Snapshot", "batch_problems", "cache_key", "check_batch", "initialize_optimizer_state", "mesh_group", "snapshot", "state_summary"]
+__all__ = ["CallState", "ObjectIds", "PendingCheck", "Snapshot", "batch_problems", "cache_key", "check_batch", "initialize_optimizer_state", "mesh_group", "snapshot", "start_check", "state_summary"]
 
 
 class ObjectIds:
@@ -410,9 +410,10 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: Optional[ResolvedPlan], me
     draws random numbers (``call.generator``), and, on calls that compile or select a graph
     (``call.check_values``), for the values of batch tensors a mesh dim replicates
     (:func:`replicated_values`; a 0-d tensor argument's value on every call). Costs one all-gather of
-    5 int64 per call over the mesh's ranks, and
+    7 int64 per call over the mesh's ranks, and
     one ``all_gather_object`` more where values are compared (skipped on torch's fake process group,
-    which has one real process).
+    which has one real process). A compiled step's calls that reuse the last call's graph issue the
+    all-gather and run the graph's prologue while it is in flight (:func:`start_check`).
 
     Raises:
         BatchError: on every rank at once, naming each rank's shapes, arguments or problem, when ranks
@@ -426,6 +427,25 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: Optional[ResolvedPlan], me
         DivergenceError: first, when the ranks make different calls (``call.step``: an evaluation step
             on rank 0 only) or some ranks distribute loaded state (``call.distributes``) and others not.
     """
+    pending = start_check(leaves, plan, mesh, call)
+    if pending is not None:
+        pending.finish()
+
+
+def start_check(
+    leaves: Sequence[torch.Tensor], plan: Optional[ResolvedPlan], mesh: DeviceMesh, call: CallState = CallState(),
+    count: Optional[int] = None,
+) -> Optional["PendingCheck"]:
+    """:func:`check_batch` in two halves: issue the all-gather and return at once; the caller calls
+    :meth:`PendingCheck.finish` (wait, compare, raise) before anything other ranks could see or the step
+    cannot take back (the first collective, the first write into an input: :mod:`spmd_expand.prologue`).
+    ``count``: an integer the ranks sum (:func:`~spmd_expand.prologue.folded_all_reduce`), sent in the
+    row's last column (not compared; the column before says whether a rank sent one, and is);
+    ``finish`` returns the sum.
+
+    Returns None when nothing is pending: on torch's fake process group (a local problem raises here),
+    or when this rank's batch has a problem already (then the whole check runs here and raises).
+    """
     problems = batch_problems(leaves, plan, mesh)
     shapes = [(("nested",) if t.is_nested else tuple(t.shape), str(t.dtype)) for t in leaves]
     # An object's default repr names its address, which differs between processes.
@@ -433,7 +453,7 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: Optional[ResolvedPlan], me
     if dist.get_backend() == "fake":
         if problems:
             raise BatchError("; ".join(problems))
-        return
+        return None
     group = mesh_group(mesh)
     values = tuple(call.values)  # repr of a float round-trips: equal reprs, equal values
     # A 0-d tensor argument is one value of the program on every rank (a count, a mixup weight): compared
@@ -447,28 +467,79 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: Optional[ResolvedPlan], me
             int(bool(problems)),
             zlib.crc32(repr((constants, values, call.graph, call.generator, call.distributes, call.step, scalars, call.tensor_constants)).encode()),
             int(call.check_values),
+            int(count is not None),
+            count or 0,
         ],
         dtype=torch.int64,
         device=mesh.device_type,
     )
-    gathered = torch.empty(dist.get_world_size(group) * 5, dtype=torch.int64, device=digest.device)
+    gathered = torch.empty(dist.get_world_size(group) * 7, dtype=torch.int64, device=digest.device)
     try:
-        dist.all_gather_single(gathered, digest, group=group)
+        work = dist.all_gather_single(gathered, digest, group=group, async_op=True)
     except Exception as e:
         if not is_communication_failure(e):
             raise
-        raise CollectiveError(
-            f"rank {dist.get_rank()}: the batch check before the step (an all_gather of 5 int64 over the mesh's "
-            f"ranks {dist.get_process_group_ranks(group)}) failed: {first_line(e)}. "
-            f"Another rank failed or stopped calling the step (look for its error first; or its data loader ran "
-            f"out first: give every rank the same number of batches, e.g. DistributedSampler, which pads to equal "
-            f"lengths), or did not call it within the process group's timeout"
-        ) from e
-    rows = gathered.view(-1, 5).tolist()
+        raise _check_failed(e, group) from e
+    pending = PendingCheck(work, gathered, group, leaves, plan, mesh, call, (shapes, problems, constants, values, scalars))
+    if problems:  # the step cannot run on this batch: the verdict comes before anything else
+        pending.finish()
+        return None
+    return pending
+
+
+@dataclass
+class PendingCheck:
+    """The per-call check's all-gather, issued (:func:`start_check`); :meth:`finish` waits for it and
+    compares the ranks' rows."""
+
+    work: Any  # dist.Work
+    gathered: torch.Tensor
+    group: Any  # dist.ProcessGroup
+    leaves: Sequence[torch.Tensor]
+    plan: Optional[ResolvedPlan]
+    mesh: DeviceMesh
+    call: CallState
+    local: tuple  # (shapes, problems, constants, values, scalars): this rank's side, for the report
+    done: bool = False
+
+    def finish(self) -> Optional[int]:
+        """Wait for the all-gather; raise :func:`check_batch`'s errors when the ranks differ (on every rank
+        at once: every rank sees the same rows). Once. Returns the sum of the ranks' ``count``, or None
+        when a rank asked to compare replicated values (a call on the full path, which sends no count)."""
+        assert not self.done, "the check was finished already"
+        self.done = True
+        try:
+            self.work.wait()
+        except Exception as e:
+            if not is_communication_failure(e):
+                raise
+            raise _check_failed(e, self.group) from e
+        return _verdict(self.gathered, self.group, self.leaves, self.plan, self.mesh, self.call, *self.local)
+
+
+def _check_failed(error: Exception, group: Any) -> CollectiveError:
+    return CollectiveError(
+        f"rank {dist.get_rank()}: the batch check before the step (an all_gather of 7 int64 over the mesh's "
+        f"ranks {dist.get_process_group_ranks(group)}) failed: {first_line(error)}. "
+        f"Another rank failed or stopped calling the step (look for its error first; or its data loader ran "
+        f"out first: give every rank the same number of batches, e.g. DistributedSampler, which pads to equal "
+        f"lengths), or did not call it within the process group's timeout"
+    )
+
+
+def _verdict(gathered, group, leaves, plan, mesh, call, shapes, problems, constants, values, scalars) -> Optional[int]:
+    rows = gathered.view(-1, 7).tolist()
     if all(row[:4] == rows[0][:4] for row in rows) and not rows[0][2]:
         if any(row[4] for row in rows):  # every rank sees it: all take part
             _check_replicated_values(leaves, plan, mesh, group)
-        return
+            return None
+        if any(row[5] != rows[0][5] for row in rows):
+            raise SpmdError(
+                "internal error: the ranks run the same compiled graph, but only some send a count in the "
+                f"per-call check (ranks {dist.get_process_group_ranks(group)}: {[row[5] for row in rows]}; "
+                "spmd_expand/prologue.py splits every rank's graph alike); the step did not run. Please report it"
+            )
+        return sum(row[6] for row in rows)
     # Something differs: every rank learns the details, and every rank raises the same error.
     rows_agree = all(row[:3] == rows[0][:3] for row in rows) and not rows[0][2]  # column 3 differs
     summary = state_summary(call.model, call.optimizer) if rows_agree else None
@@ -531,6 +602,7 @@ def check_batch(leaves: Sequence[torch.Tensor], plan: Optional[ResolvedPlan], me
             "the same batch"
         )
     )
+
 
 
 def check_state_distribution(what: str, mesh: DeviceMesh) -> None:

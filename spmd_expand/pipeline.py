@@ -27,6 +27,7 @@ from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -40,7 +41,9 @@ from .errors import TraceError
 from .expand import RedistributeCache, expand
 from .frame_stack import frame_stack_headroom
 from .graph_stats import annotate_local_values
+from .guards import mesh_group
 from .lower import lower as lower_graph
+from .prologue import PrologueRunner, split_prologue
 from .passes.manager import PassContext, PassRecord, SpmdPass, copy_graph_module, run_passes
 from .plans import ResolvedPlan
 from .propagate import propagate
@@ -209,6 +212,9 @@ def compile_step(*args: Any, lower: str, **kwargs: Any) -> StepArtifacts:
     runs once (:func:`creates_optimizer_state`) is not worth an Inductor compilation (seconds to
     minutes, most of a first call's time): it is lowered ``"eager"`` (``artifacts.lowering`` says).
     Before lowering, the ranks compare the local graph's collectives (:func:`_check_collectives_agree`).
+    On a real CPU process group of more than one rank, a graph whose prologue holds compute is lowered as
+    two (:mod:`spmd_expand.prologue`; the rest on the first call, for the prologue's real results):
+    later calls run the prologue while their rank check is in flight.
     """
     artifacts = expand_step(*args, **kwargs)
     _check_collectives_agree(
@@ -216,10 +222,22 @@ def compile_step(*args: Any, lower: str, **kwargs: Any) -> StepArtifacts:
     )
     artifacts.lowering = "eager" if lower == "inductor" and creates_optimizer_state(artifacts.traced) else lower
     start = time.perf_counter()
-    artifacts.runner = lower_graph(
-        artifacts.local_graph, artifacts.example_inputs, artifacts.lowering, ran_passes={r.name for r in artifacts.passes},
-        mesh=kwargs["mesh"],
-    )
+    mesh = kwargs["mesh"]
+    ran_passes = {r.name for r in artifacts.passes}
+    split = None
+    # CPU meshes only: measured there (gloo, where a collective's wait blocks the rank). On NCCL a wait
+    # orders streams without blocking the host, while the check's verdict (and a folded count) does;
+    # whether the split pays there is unmeasured (no GPU at hand when it was written).
+    if mesh.size() > 1 and mesh.device_type == "cpu" and dist.get_backend() != "fake":
+        split = split_prologue(artifacts.local_graph, frozenset(dist.get_process_group_ranks(mesh_group(mesh))))
+    if split is None:
+        artifacts.runner = lower_graph(artifacts.local_graph, artifacts.example_inputs, artifacts.lowering, ran_passes, mesh)
+    else:
+        lower_rest = cyclic_gc_paused()(lambda examples: lower_graph(split.rest, examples, artifacts.lowering, ran_passes, mesh))
+        artifacts.runner = PrologueRunner(
+            lower_graph(split.prologue, artifacts.example_inputs, artifacts.lowering, ran_passes, mesh), lower_rest,
+            split.count, split.count_group, split.count_node,
+        )
     artifacts.seconds["lower"] = time.perf_counter() - start
     artifacts.example_inputs = []  # this rank's tensors: not kept alive by the cache
     return artifacts

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import spmd_expand as spmd
+from spmd_expand.prologue import PrologueRunner
 
 TIMEOUT_S = 3.0
 
@@ -49,7 +50,9 @@ def stalled_rank(rank: int, world_size: int, lower: str = "eager") -> dict:
         def stalled(*inputs):
             time.sleep(3 * TIMEOUT_S)
             raise RuntimeError("rank 1 stalled")
-        step.last.runner = stalled
+        # The DDP step runs its forward under the check (spmd_expand/prologue.py): what stalls is the rest.
+        assert isinstance(step.last.runner, PrologueRunner)
+        step.last.runner.rest = stalled
     try:
         step(model, optimizer, x, y)
         return {"ok": True}

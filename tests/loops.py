@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 import spmd_expand as spmd
 from spmd_expand.plans import resolve_plan
 from spmd_expand.spec import local_slice
+from spmd_expand.prologue import PrologueRunner
 
 STEPS = 4
 BATCH = 8
@@ -393,14 +394,16 @@ def run_loop(
         "ref_states": states(ref_pair),
         "compilations": sum(len(v) for v in compiled.cache.values()),
         # Inductor compilations of those graphs (more than one: a float input held as a constant changed).
-        "inductor_compilations": sum(
-            len(getattr(getattr(a.runner, "runner", a.runner), "_compiled", ()))
-            for v in compiled.cache.values()
-            for a in v
-        ),
+        "inductor_compilations": sum(_inductor_compilations(a.runner) for v in compiled.cache.values() for a in v),
         "evals": compiled_pair["evals"],
         "ref_evals": ref_pair["evals"],
     }
+
+
+def _inductor_compilations(runner) -> int:
+    """How many times Inductor compiled one graph (a split graph: each of its parts, the most)."""
+    parts = [runner.prologue, runner.rest] if isinstance(runner, PrologueRunner) else [runner]
+    return max(len(getattr(getattr(p, "runner", p), "_compiled", ())) for p in parts)
 
 
 # ---------------------------------------------------------------- what changes between calls
@@ -1171,9 +1174,16 @@ def run_bad_batches(rank: int, world: int) -> dict:
         scheduler.step()  # the fix: every rank steps it
     step(model, optimizer, *x_y)
     # One rank takes the full path (its binding dropped here by hand; in use, any state its snapshot
-    # sees as new) while the other reuses the last graph: the fast rank's check meets the full-path
-    # rank's, both compare the replicated values (the full path asks for it) and run the same graph.
-    # The results are those of calls where both ranks take the fast path.
+    # sees as new) while the other reuses the last graph: the fast rank runs the graph's prologue with
+    # its check in flight, meets the full-path rank's check, then both compare the replicated values,
+    # all-reduce the loss denominator themselves (the fast path sends it in the check) and run the
+    # same graph. Rank 0's targets are partly ignored (-100), so the ranks' denominators differ. The
+    # results are those of one device on the global batch, and of calls where both ranks take the fast path.
+    def global_batch(i):
+        x, y = _batch(i, 8)
+        y[1:4] = -100
+        return x, y
+
     def train(full_path_on_rank_0: bool):
         torch.manual_seed(0)
         model = TwoLayer()
@@ -1183,11 +1193,21 @@ def run_bad_batches(rank: int, world: int) -> dict:
         for i in range(4):
             if i == 2 and full_path_on_rank_0 and rank == 0:
                 step._binding = None
-            losses.append(float(step(model, optimizer, *_batch(i, 4))))
-        return losses, [p.full_tensor() for p in model.parameters()]
+            x, y = global_batch(i)
+            losses.append(float(step(model, optimizer, x[4 * rank:4 * rank + 4], y[4 * rank:4 * rank + 4])))
+        return losses, [p.full_tensor() for p in model.parameters()], type(step.last.runner).__name__
 
+    torch.manual_seed(0)
+    reference = TwoLayer()
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ref_losses = [float(classification_step(reference, ref_optimizer, *global_batch(i))) for i in range(4)]
     both_fast, mixed = train(False), train(True)
     results["mixed_paths_equal"] = both_fast[0] == mixed[0] and all(torch.equal(a, b) for a, b in zip(both_fast[1], mixed[1]))
+    results["mixed_paths_match_one_device"] = torch.allclose(torch.tensor(mixed[0]), torch.tensor(ref_losses), atol=1e-6) and all(
+        torch.allclose(a, b, atol=1e-6) for a, b in zip(mixed[1], reference.parameters())
+    )
+    results["mixed_paths_runner"] = mixed[2]
+    results["mixed_paths_runner"] = mixed[2]
     # A model left in eval() on rank 0 only (a rank-0-only evaluation that does not restore train()):
     # rank 0 would compile the eval graph while rank 1 runs its train graph ("new"), or, once both
     # graphs are compiled, each rank would run its own, whose collectives match ("cached"): silently

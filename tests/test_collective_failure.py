@@ -21,10 +21,11 @@ def test_stalled_rank_names_the_collective_and_node(lower):
     rank0, rank1 = run_local(cases.stalled_rank, 2, lower, timeout_s=300)
     name, message = rank0["error"]
     assert name == "CollectiveError", message
-    # The loss's all_reduce is the step's first collective: the one rank 0 waits on.
+    # The loss denominator travels in the per-call check (spmd_expand/prologue.py): the gradients'
+    # all_reduce is the first collective after the forward, the one rank 0 waits on.
     assert "on mesh dim 'dp' (ranks [0, 1]) this rank had issued 1 of the step's" in message
-    assert "the last issued is all_reduce node 'all_reduce'" in message
-    assert "collective_failure_cases.py" in message and "loss = F.cross_entropy" in message
+    assert "the last issued is all_reduce node 'all_reduce_" in message
+    assert "collective_failure_cases.py" in message and "loss.backward()" in message
     assert "Timed out waiting 3000ms" in message  # the step's timeout, not the process group's 300 s
     assert rank1["error"] == ("RuntimeError", "rank 1 stalled")
 

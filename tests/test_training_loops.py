@@ -175,8 +175,10 @@ def test_refused_batches():
         assert lr.startswith("DivergenceError: the ranks' optimizers have different hyperparameters"), lr
         assert "param_groups[0]['lr']: rank 0 0.025, rank 1 0.05" in lr and "step the LR scheduler on every rank" in lr
         assert res["different_lr_untouched"]
-        # A fast-path rank meeting a full-path one: same results as two fast paths.
-        assert res["mixed_paths_equal"]
+        # A fast-path rank (prologue run under its check, denominator in the check) meeting a full-path
+        # one: the results of one device, and of two fast-path calls.
+        assert res["mixed_paths_runner"] == "PrologueRunner"
+        assert res["mixed_paths_equal"] and res["mixed_paths_match_one_device"]
         new, cached = res["eval_on_rank_0_new"], res["eval_on_rank_0_cached"]
         assert new.startswith("DivergenceError: the ranks would run different compiled graphs"), new
         assert "rank 0: compiles a new graph" in new and "rank 1: graph 1 (compiled earlier)" in new
