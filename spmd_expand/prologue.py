@@ -328,15 +328,10 @@ class PrologueRunner:
 
 
 def _sharing_storage(args: Sequence[Any], carried: Sequence[torch.Tensor]) -> list[int]:
-    """Indices of ``carried`` tensors whose storage an input or an earlier carried tensor also has."""
-    seen = {_storage(a) for a in args if isinstance(a, torch.Tensor)}
-    shared = []
-    for i, t in enumerate(carried):
-        key = _storage(t)
-        if key in seen:
-            shared.append(i)
-        seen.add(key)
-    return shared
+    """Indices of ``carried`` tensors whose storage an input also has. (Carried tensors may share
+    storage with each other, views of one buffer: the rest only reads them.)"""
+    inputs = {_storage(a) for a in args if isinstance(a, torch.Tensor)}
+    return [i for i, t in enumerate(carried) if _storage(t) in inputs]
 
 
 def _storage(t: torch.Tensor) -> tuple:

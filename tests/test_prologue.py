@@ -88,6 +88,12 @@ def test_a_prologue_result_sharing_an_inputs_storage_is_copied():
     x = torch.zeros(3)
     assert torch.equal(runner(x)[0], torch.zeros(3))
     assert torch.equal(runner(x)[0], torch.ones(3))  # later calls copy it too
+    assert runner._copied == [0]
+    # Results that share storage with each other (views of one buffer, as Inductor returns a split's
+    # parts) are only read by the rest: not copied (a copy per call measured 73 of the GPT's 181).
+    shared = PrologueRunner(lambda x: list((x * 2).split(1)), lambda examples: lambda x, *parts: list(parts))
+    shared(torch.zeros(3))
+    assert shared._copied == []
 
 
 def test_ddp_step_prologue_is_the_forward(fake_mesh):
