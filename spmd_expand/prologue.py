@@ -22,9 +22,14 @@ runs the prologue, takes the check's verdict (and the sum), then runs the rest; 
 (a call that checked before, on the full path) runs them back to back with the count all-reduced
 as a blocking collective.
 
-Measured (``bench/step_time.py``, demo GPT, DDP, 2 gloo ranks, 100 interleaved rounds, two runs): 9.97 and
-9.85 ms against torch DDP's 11.24 and 11.00 (0.89x); the same morning without the split, 11.35 vs 11.23 ms.
-The check's wait after the prologue measured a median of 0.03 ms (the round trip hid under the forward).
+Measured on the demo GPT's DDP step (2 gloo ranks on 2 CPU cores): the check's wait after the prologue
+has a median of 0.03 ms (before the graph it blocked a median of ~0.3 ms, p90 ~3 ms). Split and unsplit
+steps compiled in one process and called alternately (300 rounds, 3 runs): median 11.01-11.55 vs
+11.56-11.82 ms, mean 11.52-11.67 vs 12.02-12.33, p90 15.4-15.6 vs 16.1-17.5; with a barrier before
+every call (the ranks start together: no skew for the forward to absorb) equal within noise.
+``bench/step_time.py`` (a barrier before every step): spmd DDP / torch DDP 0.89 and 0.93 in 2 runs; without
+the split 0.93-1.01 in 7 runs the same day. :func:`~spmd_expand.pipeline.compile_step` splits graphs on CPU
+meshes only (unmeasured on GPUs, where a collective's wait does not block the host but the verdict does).
 
 What keeps the results those of the unsplit graph:
 
