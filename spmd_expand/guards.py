@@ -537,7 +537,7 @@ def _verdict(gathered, group, leaves, plan, mesh, call, shapes, problems, consta
             raise SpmdError(
                 "internal error: the ranks run the same compiled graph, but only some send a count in the "
                 f"per-call check (ranks {dist.get_process_group_ranks(group)}: {[row[5] for row in rows]}; "
-                "spmd_expand/prologue.py splits every rank's graph alike); the step did not run. Please report it"
+                "spmd_expand/prologue.py splits every rank's graph alike); nothing was updated. Please report it"
             )
         return sum(row[6] for row in rows)
     # Something differs: every rank learns the details, and every rank raises the same error.
@@ -602,7 +602,6 @@ def _verdict(gathered, group, leaves, plan, mesh, call, shapes, problems, consta
             "the same batch"
         )
     )
-
 
 
 def check_state_distribution(what: str, mesh: DeviceMesh) -> None:
