@@ -96,14 +96,20 @@ def test_a_prologue_result_sharing_an_inputs_storage_is_copied():
     assert shared._copied == []
 
 
-def test_ddp_step_prologue_is_the_forward(fake_mesh):
+def _compiled_mlp(mesh, plan):
+    """An MLP classification step compiled for ``plan`` and called twice (its steady-state graph)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(classification_step)
+    step = spmd.compile(mesh=mesh, plan=plan, lower="eager")(classification_step)
     x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
     step(model, optimizer, x, y)
     step(model, optimizer, x, y)
+    return step
+
+
+def test_ddp_step_prologue_is_the_forward(fake_mesh):
+    step = _compiled_mlp(fake_mesh, spmd.DDP())
     gm = step.last.local_graph
     split = split_prologue(gm)
     assert split is not None
@@ -133,13 +139,7 @@ def test_ddp_step_prologue_is_the_forward(fake_mesh):
 
 
 def test_fsdp_step_has_no_prologue_worth_splitting(fake_mesh):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    step = spmd.compile(mesh=fake_mesh, plan=spmd.FSDP(), lower="eager")(classification_step)
-    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
-    step(model, optimizer, x, y)
-    step(model, optimizer, x, y)
+    step = _compiled_mlp(fake_mesh, spmd.FSDP())
     # The first all-gather comes before any matrix product: nothing to run under the check.
     assert split_prologue(step.last.local_graph) is None
 
