@@ -84,3 +84,23 @@ def absent_rank(rank: int, world_size: int) -> dict:
         return {"ok": True}
     except Exception as e:  # noqa: BLE001
         return _error(e)
+
+
+def failing_prologue(rank: int, world_size: int) -> dict:
+    """Rank 1's forward fails on a call where its learning rate differs from rank 0's: rank 1 still
+    takes part in the check's verdict before its error leaves the step (spmd_expand/api.py's
+    ``_run_checked``), so rank 0, which needs rank 1's report, does not wait; both learn the difference."""
+    step, model, optimizer, x, y = _setup(world_size, "eager")
+    if rank == 1:
+        optimizer.param_groups[0]["lr"] = 0.05
+
+        def failing(*inputs):
+            raise RuntimeError("rank 1's forward failed")
+
+        assert isinstance(step.last.runner, PrologueRunner)
+        step.last.runner.prologue = failing
+    try:
+        step(model, optimizer, x, y)
+        return {"ok": True}
+    except Exception as e:  # noqa: BLE001
+        return _error(e)

@@ -39,6 +39,13 @@ def test_stopped_rank_fails_the_batch_check_within_the_timeout():
     assert rank1 == {"ok": "stopped"}
 
 
+def test_a_rank_failing_in_its_forward_still_gives_its_verdict():
+    rank0, rank1 = run_local(cases.failing_prologue, 2, timeout_s=300)
+    for name, message in (rank0["error"], rank1["error"]):
+        assert name == "DivergenceError", message
+        assert "param_groups[0]['lr']: rank 0 0.1, rank 1 0.05" in message, message
+
+
 def test_absent_rank_fails_the_cross_rank_check_within_the_timeout():
     rank0, rank1 = run_local(cases.absent_rank, 2, timeout_s=300)
     name, message = rank0["error"]
