@@ -162,7 +162,7 @@ def folded_all_reduce(graph: fx.Graph, inside: set, check_ranks: Optional[frozen
             or not isinstance(val, torch.Tensor)
             or val.numel() != 1
             or val.dtype.is_floating_point or val.dtype.is_complex or val.dtype == torch.bool
-            or not _deterministic_cone(count)
+            or not all(n.op == "call_function" and _functional(n) and not draws_random(n) for n in _cone(count))
         ):
             continue
         try:
@@ -172,20 +172,6 @@ def folded_all_reduce(graph: fx.Graph, inside: set, check_ranks: Optional[frozen
         if ranks == check_ranks:
             return node, wait, count, dtype
     return None
-
-
-def _deterministic_cone(node: fx.Node) -> bool:
-    """Whether ``node`` is computed from graph inputs by functional ops that draw nothing."""
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in seen or n.op in ("placeholder", "get_attr"):
-            continue
-        seen.add(n)
-        if n.op != "call_function" or not _functional(n) or draws_random(n):
-            return False
-        stack.extend(n.all_input_nodes)
-    return True
 
 
 def split_prologue(gm: fx.GraphModule, check_ranks: Optional[frozenset] = None) -> Optional[Split]:
@@ -204,15 +190,8 @@ def split_prologue(gm: fx.GraphModule, check_ranks: Optional[frozenset] = None) 
     carried = [n for n in nodes if n not in again and any(u not in inside and u not in skipped for u in n.users)]
     if not carried:
         return None
-    prologue = fx.Graph()
-    env: dict[fx.Node, Any] = {}
-    for node in gm.graph.nodes:
-        if node.op in ("placeholder", "get_attr") or node in inside:
-            env[node] = prologue.node_copy(node, env.__getitem__)
-    prologue.output(tuple(env[n] for n in carried))
-
     rest = fx.Graph()
-    env = {}
+    env: dict[fx.Node, Any] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node in placeholders:
         env[node] = rest.node_copy(node, env.__getitem__)
@@ -226,12 +205,7 @@ def split_prologue(gm: fx.GraphModule, check_ranks: Optional[frozenset] = None) 
         total.meta.update(count_node.meta)
         env[wait] = rest.call_function(torch.ops.aten._to_copy.default, (total,), {"dtype": dtype}) if dtype else total
         env[wait].meta.update(wait.meta)
-        count = fx.Graph()
-        count_env: dict[fx.Node, Any] = {}
-        for node in gm.graph.nodes:
-            if node.op in ("placeholder", "get_attr") or node in _cone(count_node):
-                count_env[node] = count.node_copy(node, count_env.__getitem__)
-        count.output((count_env[count_node],))
+        count = _extract(gm, _cone(count_node), [count_node])
 
     def copied(node: fx.Node) -> fx.Node:
         if node not in env:  # a view of an input (or a getattr): made again in the rest
@@ -242,21 +216,33 @@ def split_prologue(gm: fx.GraphModule, check_ranks: Optional[frozenset] = None) 
         if node.op != "placeholder" and node not in inside and node not in skipped and node not in env:
             env[node] = rest.node_copy(node, copied)
     return Split(
-        _module(gm, prologue), _module(gm, rest), len(carried),
-        _module(gm, count) if count is not None else None,
+        _extract(gm, inside, carried), _module(gm, rest), len(carried), count,
         folded[0].args[2] if folded else None,
         folded[0].name if folded else "",
     )
 
 
 def _cone(node: fx.Node) -> set:
+    """``node`` and every node it is computed from, graph inputs (placeholders, attributes) left out."""
     cone, stack = set(), [node]
     while stack:
         n = stack.pop()
-        if n not in cone and n.op == "call_function":
+        if n not in cone and n.op not in ("placeholder", "get_attr"):
             cone.add(n)
             stack.extend(n.all_input_nodes)
     return cone
+
+
+def _extract(gm: fx.GraphModule, members: set, outputs: Sequence[fx.Node]) -> fx.GraphModule:
+    """A graph of ``gm``'s inputs and its ``members`` (closed under their arguments), in ``gm``'s
+    order, returning ``outputs`` as a tuple."""
+    graph = fx.Graph()
+    env: dict[fx.Node, Any] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr") or node in members:
+            env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output(tuple(env[n] for n in outputs))
+    return _module(gm, graph)
 
 
 def _module(gm: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
