@@ -43,6 +43,15 @@ def _error(e: BaseException) -> dict:
     return {"error": (type(e).__name__, str(e))}
 
 
+def _outcome(step, model, optimizer, x, y) -> dict:
+    """``{"ok": True}`` when the call returns, else its error (:func:`_error`)."""
+    try:
+        step(model, optimizer, x, y)
+        return {"ok": True}
+    except Exception as e:  # noqa: BLE001 - the result is the error
+        return _error(e)
+
+
 def stalled_rank(rank: int, world_size: int, lower: str = "eager") -> dict:
     """Rank 1 passes the batch check, then computes for longer than the timeout before its collectives."""
     step, model, optimizer, x, y = _setup(world_size, lower)
@@ -53,11 +62,7 @@ def stalled_rank(rank: int, world_size: int, lower: str = "eager") -> dict:
         # The DDP step runs its forward under the check (spmd_expand/prologue.py): what stalls is the rest.
         assert isinstance(step.last.runner, PrologueRunner)
         step.last.runner.rest = stalled
-    try:
-        step(model, optimizer, x, y)
-        return {"ok": True}
-    except Exception as e:  # noqa: BLE001 - the result is the error
-        return _error(e)
+    return _outcome(step, model, optimizer, x, y)
 
 
 def stopped_rank(rank: int, world_size: int) -> dict:
@@ -66,11 +71,7 @@ def stopped_rank(rank: int, world_size: int) -> dict:
     if rank == 1:
         time.sleep(3 * TIMEOUT_S)
         return {"ok": "stopped"}
-    try:
-        step(model, optimizer, x, y)
-        return {"ok": True}
-    except Exception as e:  # noqa: BLE001
-        return _error(e)
+    return _outcome(step, model, optimizer, x, y)
 
 
 def absent_rank(rank: int, world_size: int) -> dict:
@@ -99,8 +100,4 @@ def failing_prologue(rank: int, world_size: int) -> dict:
 
         assert isinstance(step.last.runner, PrologueRunner)
         step.last.runner.prologue = failing
-    try:
-        step(model, optimizer, x, y)
-        return {"ok": True}
-    except Exception as e:  # noqa: BLE001
-        return _error(e)
+    return _outcome(step, model, optimizer, x, y)
