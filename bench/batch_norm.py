@@ -42,7 +42,7 @@ import torch.nn.functional as F
 import spmd_expand as spmd
 from spmd_expand.app.launch import run_local
 from spmd_expand.app.models import classification_step
-from spmd_expand.graph_stats import collective_stats, graph_flops
+from spmd_expand.graph_stats import graph_flops
 from spmd_expand.passes import SyncBatchNorm, default_passes
 from timing import summary, time_interleaved  # bench/timing.py
 
@@ -122,7 +122,7 @@ def worker(rank: int, world: int, args: dict) -> dict:
         entry = {**summary(samples), "warmup_s": warmup_s[name]}
         step = variants[name][1]
         if step is not None:
-            entry["collectives_per_step"] = collective_stats(step.last.local_graph).as_dict()
+            entry["collectives_per_step"] = step.last.collectives().as_dict()
             one_device = one_device or graph_flops(step.last.traced.graph_module, _CONVOLUTIONS)
             entry["conv_flops_per_rank_vs_one_device"] = round(graph_flops(step.last.local_graph, _CONVOLUTIONS) / one_device, 4)
         result[name] = entry

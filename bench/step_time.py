@@ -38,7 +38,6 @@ import spmd_expand as spmd
 from spmd_expand.app.launch import run_local
 from spmd_expand.app.models import GPTConfig, build_gpt, language_model_step
 from spmd_expand.app.presets import preset, preset_mesh
-from spmd_expand.graph_stats import collective_stats
 from timing import summary, time_interleaved  # bench/timing.py
 
 CONFIGS = {
@@ -133,7 +132,7 @@ def worker(rank: int, world: int, config_name: str, rounds: int, only: tuple = (
         entry = {**summary(samples), "warmup_s": warmup_s[name]}
         step = variants[name][1]
         if step is not None:
-            entry["collectives_per_step"] = collective_stats(step.last.local_graph).as_dict()
+            entry["collectives_per_step"] = step.last.collectives().as_dict()
         result["variants"][name] = entry
     medians = {n: v["median_ms"] for n, v in result["variants"].items()}
     for name, entry in result["variants"].items():

@@ -66,15 +66,17 @@ def collective_bytes(node: fx.Node, kind: str) -> int:
     return nbytes
 
 
-def collective_stats(gm: fx.GraphModule) -> CollectiveStats:
+def collective_stats(gm: fx.GraphModule, skip: Collection[str] = ()) -> CollectiveStats:
     """Count the functional collectives of ``gm`` and the bytes each sends from this rank.
 
     Bytes are the size of the collective's input tensor on this rank (:func:`collective_bytes`).
+    ``skip``: names of collective nodes not counted (ones that do not run as collectives, e.g. the
+    all-reduce folded into the rank check: :meth:`~spmd_expand.pipeline.StepArtifacts.collectives`).
     """
     stats = CollectiveStats()
     for node in gm.graph.nodes:
         kind = COLLECTIVES.get(node.target)
-        if kind is None:
+        if kind is None or node.name in skip:
             continue
         stats.count[kind] += 1
         stats.bytes[kind] += collective_bytes(node, kind)

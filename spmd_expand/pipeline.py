@@ -40,7 +40,7 @@ from .boundaries import refuse_split_sequences
 from .errors import TraceError
 from .expand import RedistributeCache, expand
 from .frame_stack import frame_stack_headroom
-from .graph_stats import annotate_local_values
+from .graph_stats import CollectiveStats, annotate_local_values, collective_stats
 from .guards import mesh_group
 from .lower import lower as lower_graph
 from .passes.manager import PassContext, PassRecord, SpmdPass, copy_graph_module, run_passes
@@ -108,6 +108,13 @@ class StepArtifacts:
     lowering: str = ""
     graph_digest: int = 0
     draws_random: bool = False
+
+    def collectives(self) -> CollectiveStats:
+        """The collectives one call of ``runner`` issues (:func:`~spmd_expand.graph_stats.collective_stats`
+        of ``local_graph``), less an all-reduce whose sum travels in the per-call rank check instead
+        (:func:`~spmd_expand.prologue.folded_all_reduce`)."""
+        folded = getattr(self.runner, "count_node", "")
+        return collective_stats(self.local_graph, skip={folded} if folded else ())
 
 
 class _overrides:

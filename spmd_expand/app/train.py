@@ -22,7 +22,6 @@ from torch.distributed.tensor import DTensor
 import spmd_expand as spmd
 
 from .data import CharTokenizer, TextBatches, load_text
-from ..graph_stats import collective_stats
 from .models import GPTConfig, build_gpt, language_model_step
 from ..plans import resolve_plan
 from .presets import PRESETS, preset, preset_mesh
@@ -110,7 +109,7 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         else:
             step_seconds.append(elapsed)
         losses.append(float(loss))
-        stats = collective_stats(step.last.local_graph)
+        stats = step.last.collectives()
         if i + 1 == cfg.parity_steps:
             snapshot = _full_params(model)
         if bar is not None:
