@@ -38,6 +38,7 @@ import functools
 import math
 import operator
 import threading
+import time
 import types
 import warnings
 import weakref
@@ -62,7 +63,7 @@ from .forms import EqualForms
 from .guards import not_dense_problem
 from .lower import LOWERINGS, lower as lower_graph
 from .passes import resolve_passes
-from .pipeline import JointArtifacts, cyclic_gc_paused, expand_joint
+from .pipeline import JointArtifacts, cyclic_gc_paused, describe_compilation, expand_joint, log
 from .plans import Plan, ResolvedPlan, TensorParallel, _DataParallel, resolve_plan
 from .spec import replicate
 from .trace import InputRole, TensorSpec, TracedStep
@@ -614,6 +615,8 @@ class _GraphCompiler:
         self.local_passes = local_passes
         self.lower = lower
         self.dp_size = math.prod(self.mesh.size(d) for d in self.plan.data_parallel_dims)
+        # What log lines name this graph by.
+        self.what = describe_compilation(f"a {type(model).__qualname__} graph of torch.compile", self.mesh)
 
     # ------------------------------------------------------------------ reading the Dynamo graph
     def _slots(self) -> list[_Slot]:
@@ -736,6 +739,8 @@ class _GraphCompiler:
             return result
 
         n_state = sum(s.kind in ("param", "buffer") for s in slots)
+        what, began = self.what, time.perf_counter()
+        log.info("compiling %s (%d nodes; trace, propagate, expand, passes; lowered on its first call)", what, len(self.gm.graph.nodes))
         artifacts = expand_joint(
             step,
             (self.model, *locals_[n_state:]),
@@ -759,6 +764,10 @@ class _GraphCompiler:
             parameter_hooks=False,  # eager autograd runs them on the DTensor gradients this returns
             num_tangents=len(diff_outputs) if joint else 0,
             num_forward_outputs=len(outputs),
+        )
+        log.info(
+            "expanded %s in %.1f s (%s s)", what, time.perf_counter() - began,
+            ", ".join(f"{name} {seconds:.2f}" for name, seconds in artifacts.step.seconds.items()),
         )
         return _Runtime.build(self, artifacts, slots, outputs, diff_outputs, grad_inputs)
 
@@ -818,6 +827,7 @@ class _Runtime:
     def __init__(self, compiler, artifacts: JointArtifacts, slots, outputs, diff_outputs, grad_index):
         self.mesh = compiler.mesh
         self.lower = compiler.lower
+        self.what = compiler.what  # for log lines
         self.ran_passes = frozenset(r.name for r in artifacts.step.passes)
         self.artifacts = artifacts
         self.tensor_positions = [i for i, s in enumerate(slots) if s.kind in ("param", "buffer")] + [
@@ -852,17 +862,20 @@ class _Runtime:
         return cls(compiler, artifacts, slots, outputs, diff_outputs, grad_index)
 
     @cyclic_gc_paused()  # as spmd.compile's compile_step: lowering runs on the first call of each graph
-    def _lowered(self, gm: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> Callable:
-        return lower_graph(gm, list(inputs), self.lower, ran_passes=self.ran_passes, mesh=self.mesh)
+    def _lowered(self, gm: fx.GraphModule, inputs: Sequence[torch.Tensor], which: str) -> Callable:
+        began = time.perf_counter()
+        lowered = lower_graph(gm, list(inputs), self.lower, ran_passes=self.ran_passes, mesh=self.mesh)
+        log.info("lowered the %s graph of %s (%s) in %.1f s", which, self.what, self.lower, time.perf_counter() - began)
+        return lowered
 
     def run_forward(self, tensors: Sequence[torch.Tensor]) -> list:
         if self._forward is None:
-            self._forward = self._lowered(self.forward_gm, tensors)
+            self._forward = self._lowered(self.forward_gm, tensors, "forward")
         return list(self._forward(*tensors))
 
     def run_backward(self, inputs: Sequence[torch.Tensor]) -> list:
         if self._backward is None:
-            self._backward = self._lowered(self.backward_gm, inputs)
+            self._backward = self._lowered(self.backward_gm, inputs, "backward")
             with _stats_lock:
                 stats.backwards_compiled += 1
         return list(self._backward(*inputs))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -152,22 +153,48 @@ class _overrides:
         return False
 
 
+# Progress of a compilation (seconds to minutes on a first call): standard `logging`, silent unless the
+# application asks, e.g. `logging.basicConfig(level=logging.INFO)` or, for this package only,
+# `logging.getLogger("spmd_expand").setLevel(logging.INFO)` with a handler. INFO: one line when a
+# compilation starts and one when it ends (seconds per stage, nodes, collectives per call); DEBUG: a
+# line as each stage starts and ends.
+log = logging.getLogger(__name__)
+
+
 class _Clock:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
 
-    def stage(self, name: str):
-        clock = self
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        log.debug("%s ...", name)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = time.perf_counter() - start
+            log.debug("%s: %.2f s", name, self.seconds[name])
 
-        class _Timer:
-            def __enter__(self):
-                self.start = time.perf_counter()
 
-            def __exit__(self, *exc):
-                clock.seconds[name] = time.perf_counter() - self.start
-                return False
+def describe_compilation(name: str, mesh: DeviceMesh) -> str:
+    """What a compilation is for, as log lines name it (``train_step on cpu mesh (2,) ('dp',), rank 0``)."""
+    names = f" {mesh.mesh_dim_names}" if mesh.mesh_dim_names else ""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return f"{name} on {mesh.device_type} mesh {tuple(mesh.shape)}{names}, rank {rank}"
 
-        return _Timer()
+
+def _log_compiled(what: str, artifacts: "StepArtifacts", began: float) -> None:
+    if not log.isEnabledFor(logging.INFO):
+        return
+    stages = ", ".join(f"{name} {seconds:.2f}" for name, seconds in artifacts.seconds.items())
+    calls = artifacts.collectives().count
+    log.info(
+        "compiled %s in %.1f s (%s s; lowered %s%s): %d local nodes, collectives per call: %s",
+        what, time.perf_counter() - began, stages, artifacts.lowering,
+        ", the rest on the first call" if isinstance(artifacts.runner, PrologueRunner) else "",
+        len(artifacts.local_graph.graph.nodes),
+        ", ".join(f"{n} {kind}" for kind, n in sorted(calls.items())) or "none",
+    )
 
 
 def creates_optimizer_state(traced: TracedStep) -> bool:
@@ -223,11 +250,17 @@ def compile_step(*args: Any, lower: str, **kwargs: Any) -> StepArtifacts:
     two (:mod:`spmd_expand.prologue`; the rest on the first call, for the prologue's real results):
     later calls run the prologue while their rank check is in flight.
     """
+    began = time.perf_counter()
+    what = describe_compilation(getattr(args[0], "__qualname__", "the step"), kwargs["mesh"])
+    log.info("compiling %s (trace, propagate, expand, passes, lower %s)", what, lower)
     artifacts = expand_step(*args, **kwargs)
     _check_collectives_agree(
         "the collectives of the local graph", [artifacts.local_graph], artifacts, kwargs["mesh"], kwargs.get("timeout")
     )
     artifacts.lowering = "eager" if lower == "inductor" and creates_optimizer_state(artifacts.traced) else lower
+    if artifacts.lowering != lower:
+        log.info("%s: this graph creates optimizer state and runs once: lowered eager, not %s", what, lower)
+    log.debug("lower (%s) ...", artifacts.lowering)
     start = time.perf_counter()
     mesh = kwargs["mesh"]
     ran_passes = {r.name for r in artifacts.passes}
@@ -242,9 +275,10 @@ def compile_step(*args: Any, lower: str, **kwargs: Any) -> StepArtifacts:
     else:
         @cyclic_gc_paused()
         def lower_rest(examples: list) -> Callable[..., list]:  # on the first call; its seconds count as lowering's
-            began = time.perf_counter()
+            rest_began = time.perf_counter()
             runner = lower_graph(split.rest, examples, artifacts.lowering, ran_passes, mesh)
-            artifacts.seconds["lower"] += time.perf_counter() - began
+            artifacts.seconds["lower"] += time.perf_counter() - rest_began
+            log.info("lowered the rest of %s in %.1f s", what, time.perf_counter() - rest_began)
             return runner
 
         artifacts.runner = PrologueRunner(
@@ -253,6 +287,7 @@ def compile_step(*args: Any, lower: str, **kwargs: Any) -> StepArtifacts:
         )
     artifacts.seconds["lower"] = time.perf_counter() - start
     artifacts.example_inputs = []  # this rank's tensors: not kept alive by the cache
+    _log_compiled(what, artifacts, began)
     return artifacts
 
 

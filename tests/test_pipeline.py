@@ -1,11 +1,14 @@
 """The pipeline's process-wide settings: Python's cyclic garbage collector is off while a step
 compiles (:func:`spmd_expand.pipeline.cyclic_gc_paused`; for ``torch.compile(backend="spmd")`` also
 while the forward and backward graphs are lowered on their first run) and in the state the user left
-it after, whether the compilation succeeds or fails."""
+it after, whether the compilation succeeds or fails. A compilation's progress goes to the
+``spmd_expand`` logger."""
 
 from __future__ import annotations
 
 import gc
+import logging
+import re
 
 import pytest
 import torch
@@ -82,3 +85,45 @@ def test_the_collector_is_off_while_the_backend_lowers_its_graphs(fake_mesh, mon
     compiled(torch.randn(2, 4)).square().mean().backward()
     assert seen == [False, False]  # the forward graph, then the backward graph
     assert gc.isenabled()
+
+
+def _messages(caplog, level: int) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name.startswith("spmd_expand") and r.levelno == level]
+
+
+def test_a_compilation_logs_its_start_its_stages_and_its_result(fake_mesh, caplog):
+    caplog.set_level(logging.DEBUG, logger="spmd_expand")
+    call = _compile(mse_step, fake_mesh)
+    call()
+    started, finished = _messages(caplog, logging.INFO)
+    assert started.startswith("compiling mse_step on cpu mesh (4,), rank 0"), started
+    assert finished.startswith("compiled mse_step on cpu mesh (4,), rank 0 in "), finished
+    for stage in ("trace", "propagate", "expand", "local_passes", "lower"):
+        assert re.search(rf"(\(|, ){stage} \d+\.\d\d", finished), finished
+    assert "lowered eager" in finished and "collectives per call: " in finished and "all_reduce" in finished
+    debug = _messages(caplog, logging.DEBUG)
+    begun = [m.removesuffix(" ...") for m in debug if m.endswith(" ...")]
+    assert begun == ["trace", "global_passes", "rank_check", "propagate", "expand", "local_passes", "lower (eager)"]
+    caplog.clear()
+    call()  # the graph is reused: nothing compiles, nothing is logged
+    assert _messages(caplog, logging.INFO) == [] and _messages(caplog, logging.DEBUG) == []
+
+
+def test_a_compilation_is_silent_unless_logging_is_asked_for(fake_mesh, caplog):
+    caplog.set_level(logging.WARNING, logger="spmd_expand")
+    _compile(mse_step, fake_mesh)()
+    assert [r for r in caplog.records if r.name.startswith("spmd_expand")] == []
+
+
+def test_the_backend_logs_each_graph_it_compiles_and_lowers(fake_mesh, caplog):
+    caplog.set_level(logging.INFO, logger="spmd_expand")
+    torch._dynamo.reset()
+    plan = spmd.DDP()
+    model = spmd.parallelize(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)), fake_mesh, plan)
+    compiled = torch.compile(model, backend="spmd", options={"mesh": fake_mesh, "plan": plan, "lower": "eager"})
+    compiled(torch.randn(2, 4)).square().mean().backward()
+    messages = _messages(caplog, logging.INFO)
+    what = "a Sequential graph of torch.compile on cpu mesh (4,), rank 0"
+    expected = [f"compiling {what} (", f"expanded {what} in ", f"lowered the forward graph of {what} (eager) in ",
+                f"lowered the backward graph of {what} (eager) in "]
+    assert len(messages) == len(expected) and all(map(str.startswith, messages, expected)), messages
