@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import collections.abc
 import contextlib
 import copy
 import dis
@@ -1407,9 +1408,92 @@ def _restore(obj: Any, old: Any) -> None:
         attrs.update(old)
 
 
+def _hidden_state(obj: Any) -> Optional[tuple[str, Any]]:
+    """``(kind, state)`` of an object whose state changes below its Python attributes when used: a
+    random number generator that is not the module-level one (``random.Random()``, numpy's
+    ``default_rng()`` Generator, ``RandomState``), or an iterator (a generator, ``itertools.count()``,
+    ``iter(list)``); None for anything else. Two states compare with :func:`_same_hidden_state`."""
+    import random
+
+    if isinstance(obj, random.Random) and not isinstance(obj, random.SystemRandom):
+        return "random.Random", obj.getstate()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        if isinstance(obj, numpy.random.Generator):
+            return "numpy.random.Generator", obj.bit_generator.state
+        if isinstance(obj, numpy.random.RandomState):
+            return "numpy.random.RandomState", obj.get_state(legacy=False)
+        if isinstance(obj, numpy.random.BitGenerator):
+            return f"numpy.random.{type(obj).__name__}", obj.state
+    if isinstance(obj, types.GeneratorType):
+        frame = obj.gi_frame
+        # Where it is suspended and its locals (`w += 0.5` between two `yield w` at the same place).
+        return "generator", None if frame is None else (frame.f_lasti, dict(frame.f_locals))
+    # An iterator class of the user's has attributes, watched as a user object's are (replayed).
+    if isinstance(obj, collections.abc.Iterator) and not hasattr(obj, "__dict__"):
+        # C iterators (itertools.count, a list's iterator) show their position through pickling's
+        # __reduce__ (`count(3)`, `(iter, (list,), 2)`); where that is missing, their repr.
+        kind = type(obj).__qualname__ if type(obj).__module__ == "builtins" else f"{type(obj).__module__}.{type(obj).__qualname__}"
+        try:
+            return kind, obj.__reduce__()
+        except Exception:  # noqa: BLE001 - any iterator without __reduce__
+            return kind, repr(obj)
+    return None
+
+
+def _same_hidden_state(a: Any, b: Any) -> bool:
+    """Equal states of :func:`_hidden_state`: containers item by item, numbers, strings and arrays by
+    value, any other object by identity (an iterator's list, a generator's local holding a tensor)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(map(_same_hidden_state, a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_hidden_state(a[k], b[k]) for k in a)
+    if a is None or isinstance(a, (int, float, complex, str, bytes)) or _numpy_type(a, "generic"):
+        return bool(a == b)
+    if _numpy_type(a, "ndarray"):
+        return a.shape == b.shape and bool((a == b).all())
+    return a is b
+
+
+def _set_hidden_state(obj: Any, state: Any) -> bool:
+    """Put a random generator back in ``state`` (:func:`_hidden_state`); False for an iterator, which
+    cannot be rewound."""
+    import random
+
+    if isinstance(obj, random.Random):
+        obj.setstate(state)
+        return True
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(obj, numpy.random.Generator):
+        obj.bit_generator.state = state
+        return True
+    if numpy is not None and isinstance(obj, numpy.random.RandomState):
+        obj.set_state(state)
+        return True
+    if numpy is not None and isinstance(obj, numpy.random.BitGenerator):
+        obj.state = state
+        return True
+    return False
+
+
+@dataclass(frozen=True)
+class HiddenStateUse:
+    """An object with state below its Python attributes (:func:`_hidden_state`) that the step used
+    while it was traced: ``label`` where it is held (``model.noise.rng``, ``global RNG of step``),
+    ``kind`` its type, ``is_random`` whether it is a random generator (:meth:`StateWatch.rewind` puts
+    those back) or an iterator (which cannot be rewound)."""
+
+    label: str
+    kind: str
+    is_random: bool
+
+
 class StateWatch:
     """Snapshots of the Python state a step can change (see :class:`StateChange`), taken before it is
-    traced; :meth:`changes` compares after. Watched: each list, dict, set or deque and each user object
+    traced; :meth:`changes` compares after. Objects whose state lives below their attributes (random
+    generators, iterators: :func:`_hidden_state`) that those hold are watched too: :meth:`hidden_uses`. Watched: each list, dict, set or deque and each user object
     that a global or closure variable of ``functions`` holds (followed as :func:`code_reads` follows
     them), the containers and user objects inside those (one level), and the plain attributes of
     ``model``'s modules and the containers they hold. Shallow: each watched object's own items and
@@ -1427,6 +1511,8 @@ class StateWatch:
     ) -> None:
         # (description, in a module, in a library module, object, snapshot)
         self._watched: list[tuple[str, bool, bool, Any, Any]] = []
+        # (description, object, kind, state) of the random generators and iterators held there
+        self._hidden: list[tuple[str, Any, str, Any]] = []
         model_modules = {id(m) for m in model.modules()} if model is not None else set()
         seen: set = set(model_modules)  # watched below, as the model's
         assigned: set = set()
@@ -1456,6 +1542,11 @@ class StateWatch:
     ) -> None:
         # A user module's plain attributes include the user's own objects (``self.criterion =
         # FocalLoss()``): watched as a global's are, with one more level (their lists).
+        hidden = None if id(obj) in seen or isinstance(obj, (nn.Module, torch.Tensor)) else _hidden_state(obj)
+        if hidden is not None:
+            seen.add(id(obj))
+            self._hidden.append((label, obj, *hidden))
+            return
         held = in_module and not library and depth >= 0 and not isinstance(obj, nn.Module) and _is_user_object(obj)
         # Outside the model: a user object, or a module a global holds (a loss module's attributes).
         attributes = attributes or isinstance(obj, nn.Module) or (held if in_module else _is_user_object(obj))
@@ -1468,6 +1559,20 @@ class StateWatch:
             for key, child in snap.items() if isinstance(snap, dict) else enumerate(snap):
                 if not isinstance(child, nn.Module):
                     self._watch(child, f"{label}.{key}" if attributes else f"{label}[{key!r}]", in_module, library, seen, depth - 1)
+
+    def hidden_uses(self) -> list[HiddenStateUse]:
+        """The watched random generators and iterators whose state differs from the snapshot now: the
+        step drew from or advanced them."""
+        return [
+            HiddenStateUse(label, kind, kind.startswith(("random.", "numpy.random.")))
+            for label, obj, kind, before in self._hidden
+            if not _same_hidden_state(before, _hidden_state(obj)[1])
+        ]
+
+    def rewind(self) -> None:
+        """Put every watched random generator back in its state before the trace (iterators cannot be)."""
+        for _, obj, _, before in self._hidden:
+            _set_hidden_state(obj, before)
 
     def changes(self) -> list[StateChange]:
         """What differs from the snapshots now, one :class:`StateChange` per changed object."""

@@ -1266,6 +1266,7 @@ def trace_step(
                 autograd_graph = make_fx(step, tracing_mode="symbolic", record_stack_traces=True)(*fakes, *sym_values)
             _refuse_collectives(autograd_graph)
             _refuse_untraced_randomness(randomness)
+            _refuse_hidden_state_uses(state)
             _refuse_recomputed_draws(autograd_graph)
             _refuse_writes_to_parameter_reads(autograd_graph)
             _refuse_reads_of_assigned_data(autograd_graph)
@@ -1443,11 +1444,57 @@ def _refuse_untraced_randomness(randomness: RandomStateUse) -> None:
     )
 
 
+def _refuse_hidden_state_uses(state: StateWatch) -> None:
+    """Refuse a step that, while traced, drew from a random generator object (``random.Random()``,
+    numpy's ``default_rng()``) or advanced an iterator (``next(self.counter)`` of an
+    ``itertools.count()``, a generator yielding a schedule) that outlives the call: that runs once,
+    when the step is traced, and the graph keeps the value it gave, so every call would repeat it.
+    Their state is below their Python attributes (:meth:`~spmd_expand.python_values.StateWatch.hidden_uses`).
+
+    Raises:
+        TraceError: naming each object, where it is held, and the fix. Random generators are put back
+            (:func:`_undo`); an iterator cannot be, and the message says so.
+    """
+    uses = state.hidden_uses()
+    if not uses:
+        return
+    draws = [u for u in uses if u.is_random]
+    advanced = [u for u in uses if not u.is_random]
+    parts = []
+    if draws:
+        parts.append(
+            f"draws random numbers from {', '.join(f'{u.label} (a {u.kind})' for u in draws)}. That runs when the "
+            f"step is traced, once, and the graph keeps what it drew, so every call would repeat the same draw "
+            f"(the generator is put back as it was)"
+        )
+    if advanced:
+        parts.append(
+            f"advances {', '.join(f'{u.label} (a {u.kind})' for u in advanced)} (`next(it)`). That runs when the "
+            f"step is traced, once, and the graph keeps the value it gave, so every call would repeat it (an "
+            f"iterator cannot be rewound: it stays advanced by this call)"
+        )
+    fixes = []
+    if draws:
+        fixes.append(
+            "draw with torch (torch.rand, torch.randint, torch.bernoulli: the compiled step draws them on every "
+            "call, as one device does), or draw outside the step and pass the value in as a float argument (a "
+            "graph input)"
+        )
+    if advanced:
+        fixes.append(
+            "for a counter or schedule, keep a Python number in an attribute the step updates (`self.calls += 1`: "
+            "assigned again after every call), or take the next value outside the step and pass it in as a "
+            "float argument (a graph input)"
+        )
+    raise TraceError(f"the step {'; and it '.join(parts)}\n  fix: {'; '.join(fixes)}")
+
+
 def _undo(state: StateWatch) -> None:
-    """Put back every change a failed trace made to the Python state it watched: a refused step loses
-    nothing."""
+    """Put back every change a failed trace made to the Python state it watched, and the random
+    generators it drew from: a refused step loses nothing (an iterator it advanced cannot be put back)."""
     for change in state.changes():
         change.undo()
+    state.rewind()
 
 
 class _SymbolicScalars:

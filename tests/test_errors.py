@@ -763,6 +763,72 @@ def test_huggingface_specaugment_masks_drawn_with_numpy_are_refused(fake_mesh):
     assert "mask_time_prob=0.0" in str(info.value)
 
 
+class _Jitter(nn.Module):
+    """Scales its input by a factor drawn from a generator object it holds (``rng``), or by a warm-up
+    factor on its first call, counted by an iterator it holds (``calls``)."""
+
+    def __init__(self, rng=None, calls=None):
+        super().__init__()
+        self.linear = nn.Linear(8, 4)
+        self.rng, self.calls = rng, calls
+
+    def forward(self, x):
+        if self.rng is not None:
+            x = x * float(self.rng.uniform(0.5, 1.5))
+        if self.calls is not None and next(self.calls) == 0:
+            x = x * 0.1
+        return self.linear(x)
+
+
+def _jitter_step(model, optimizer, x):
+    loss = model(x).square().mean()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+@pytest.mark.parametrize("rng", ["numpy_generator", "numpy_random_state", "python_random"])
+def test_a_draw_from_a_random_generator_object_is_refused_and_the_generator_kept(fake_mesh, rng):
+    """A generator object's draw (numpy's ``default_rng()``, ``RandomState``, ``random.Random()``) would
+    be made once, when traced: every call would scale by the same factor (measured on 2 gloo ranks
+    before the refusal: losses equal one device's on the first call only, with no error)."""
+    import numpy as np
+
+    make = {"numpy_generator": np.random.default_rng, "numpy_random_state": np.random.RandomState,
+            "python_random": random.Random}[rng]
+    generator = make(3)
+    torch.manual_seed(0)
+    model = _Jitter(rng=generator)
+    with pytest.raises(spmd.TraceError, match=r"draws random numbers from model\.rng \(a (numpy\.random\.Generator|numpy\.random\.RandomState|random\.Random)\)") as info:
+        ddp(fake_mesh, _jitter_step)(model, sgd(model), torch.randn(4, 8))
+    assert "torch.rand" in str(info.value)
+    assert generator.uniform(0.5, 1.5) == make(3).uniform(0.5, 1.5)  # put back: the first draw of its seed
+
+
+def test_an_iterator_advanced_in_the_step_is_refused(fake_mesh):
+    """``next(self.calls)`` of an ``itertools.count()`` would run once, when traced: every call would take
+    the first call's warm-up branch (measured before the refusal: losses equal one device's on the
+    first call only). An iterator cannot be rewound; the error says so."""
+    import itertools
+
+    torch.manual_seed(0)
+    model = _Jitter(calls=itertools.count())
+    with pytest.raises(spmd.TraceError, match=r"advances model\.calls \(a itertools\.count\)") as info:
+        ddp(fake_mesh, _jitter_step)(model, sgd(model), torch.randn(4, 8))
+    assert "cannot be rewound" in str(info.value) and "self.calls += 1" in str(info.value)
+
+
+def test_a_generator_object_the_step_does_not_use_is_no_reason_to_refuse(fake_mesh):
+    """Held but not drawn from (e.g. used by the data pipeline outside the step): the step compiles."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = _Jitter()
+    model.data_rng, model.order = np.random.default_rng(0), iter([3, 1, 2])
+    ddp(fake_mesh, _jitter_step)(model, sgd(model), torch.randn(4, 8))
+    assert next(model.order) == 3
+
+
 def _seeding_step(model, optimizer, x):
     torch.manual_seed(1234)  # runs once, when traced
     loss = _loss(model, nn.functional.dropout(x, 0.5))
