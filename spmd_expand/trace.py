@@ -846,6 +846,101 @@ def _refuse_reads_of_assigned_data(gm: fx.GraphModule) -> None:
                 )
 
 
+def _written_roots(node: fx.Node) -> list:
+    """The storages (:func:`_aliased_input` roots) ``node`` writes in place, if it is an in-place op."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return []
+    values = written_values(node.target, node.args, node.kwargs)
+    flat = [v for value in values for v in (value if isinstance(value, (list, tuple)) else [value])]
+    return [_aliased_input(v) for v in flat if isinstance(v, fx.Node)]
+
+
+def _is_whole(node: Any, root: Any) -> bool:
+    """Whether ``node``'s value is all of ``root``'s storage, laid out as ``root``: reached from it only
+    through in-place ops (which return their first argument) and ``detach``/``alias``."""
+    while node is not root:
+        if not isinstance(node, fx.Node) or not isinstance(node.target, torch._ops.OpOverload):
+            return False
+        returned = node.target._schema.returns[0].alias_info if node.target._schema.returns else None
+        if node.target not in (torch.ops.aten.detach.default, torch.ops.aten.alias.default) and not (returned is not None and returned.is_write):
+            return False
+        node = node.args[0]
+    return True
+
+
+def _share_assigned_data(gm: fx.GraphModule, input_roles: Sequence[InputRole], outputs: Sequence[OutputRole]) -> None:
+    """Keep ``p`` and ``value`` one tensor after ``p.data = value`` for the rest of the step.
+
+    :func:`_assign_data` records the assignment as ``p.copy_(value)``; on one device ``p`` then shares
+    ``value``'s storage, so an in-place write to either one (``value.add_(1)``, an optimizer step on
+    ``p`` after SAM's ``p.data = state["old_p"]``) changes both. After every such write, the graph
+    copies the written one into the other (the assignment checked that they have one shape and dtype),
+    until ``p`` or ``value`` gets another storage (a later ``.data =``).
+
+    That sharing outlives the call on one device (``p`` and ``value`` stay one tensor); the graph's
+    next call has them as two inputs. Where that could show, refused: ``value`` is a graph input, or
+    is kept after the call (returned, or stored as optimizer state whose input the step reads).
+
+    Raises:
+        TraceError: a sharing the graph cannot keep (above, or a write to a tensor that shares only part
+            of ``p``'s or ``value``'s storage), naming the assignment's line and the fix.
+    """
+    assignments = [n for n in gm.graph.nodes if (n.meta.get("custom") or {}).get(DATA_ASSIGNMENT_KEY)]
+    if not assignments:
+        return
+    nodes = list(gm.graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    role_of = dict(zip(placeholders, input_roles))
+    placeholder_of = {role: node for node, role in role_of.items()}
+    returned = dict(zip(gm.graph.output_node().args[0], outputs))
+
+    def refuse(assignment: fx.Node, why: str) -> TraceError:
+        return node_error(
+            TraceError, assignment,
+            f"assigns a tensor's `.data` (`p.data = value`), after which on one device `p` and `value` are one "
+            f"tensor: {why}",
+            fix="copy the values instead (`with torch.no_grad(): p.copy_(value)`), so that `p` and `value` stay "
+            "two tensors on one device too",
+        )
+
+    for assignment in assignments:
+        target, value = assignment.args[0], assignment.args[1]
+        target_root, value_root = _aliased_input(target), _aliased_input(value)
+        if not isinstance(value, fx.Node) or value_root is target_root:
+            continue
+        if value_root.op == "placeholder":
+            raise refuse(assignment, f"`value` is the step's input {role_of.get(value_root)}, and stays one tensor with "
+                                     f"`p` after the call, which a compiled step cannot keep")
+        kept = returned.get(value_root)
+        if kept is not None:
+            again = placeholder_of.get(InputRole(kept.kind, kept.fqn, kept.key)) if kept.kind == "state" else None
+            if kept.kind != "state" or (again is not None and again.users):
+                raise refuse(assignment, f"`value` outlives the call ({kept}) as one tensor with `p`, which a "
+                                         f"compiled step cannot keep")
+        whole = _is_whole(target, target_root) and _is_whole(value, value_root)
+        mirrors = []
+        for node in nodes[order[assignment] + 1:]:
+            if (node.meta.get("custom") or {}).get(DATA_ASSIGNMENT_KEY) and _aliased_input(node.args[0]) in (target_root, value_root):
+                break  # `p` or `value` gets another tensor's storage: no longer one tensor
+            roots = _written_roots(node)
+            hit = {r for r in roots if r is target_root or r is value_root}
+            if not hit:
+                continue
+            if not whole or len(hit) > 1:
+                raise refuse(assignment, f"{node.target} writes one of them where the graph has two tensors that "
+                                         f"share only part of a storage")
+            written = hit.pop()
+            mirrors.append((node, value_root if written is target_root else target_root, written))
+        for node, destination, source in mirrors:
+            with gm.graph.inserting_after(node):
+                mirror = gm.graph.call_function(torch.ops.aten.copy_.default, (destination, source))
+            mirror.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+            if "val" in destination.meta:
+                mirror.meta["val"] = destination.meta["val"]
+    gm.recompile()
+
+
 @contextlib.contextmanager
 def _optimizer_on(
     optimizer: Optional[torch.optim.Optimizer],
@@ -1270,6 +1365,7 @@ def trace_step(
             _refuse_recomputed_draws(autograd_graph)
             _refuse_writes_to_parameter_reads(autograd_graph)
             _refuse_reads_of_assigned_data(autograd_graph)
+            _share_assigned_data(autograd_graph, input_roles, outputs)
             _refuse_storage_swaps(autograd_graph)
             functional = functionalize_graph(autograd_graph, _decompositions(), skip=_is_profiler_node)
             if functional is None:  # a write through a view, or an op without a functional twin

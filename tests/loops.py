@@ -190,6 +190,66 @@ def data_assignment_step(model, optimizer, x, y):
     return loss
 
 
+def data_assigned_then_written_step(model, optimizer, x, y):
+    """``p.data = buf`` and then an in-place write to ``buf``: on one device ``p`` and ``buf`` are one
+    tensor after the assignment, so ``p`` sees the write."""
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        for p in model.parameters():
+            buf = p.detach().clone() * 0.5
+            p.data = buf
+            buf.add_(0.25)
+    return loss
+
+
+class SAM(torch.optim.Optimizer):
+    """Sharpness-aware minimization (Foret et al. 2021) as its widely used PyTorch implementation
+    (davda54/sam) writes it: ``first_step`` climbs to ``w + e(w)`` keeping ``w`` in ``state["old_p"]``,
+    ``second_step`` goes back with ``p.data = state["old_p"]`` and lets the base optimizer update ``p``
+    in place, which on one device updates ``old_p`` too (they are one tensor after the assignment)."""
+
+    def __init__(self, params, base_optimizer, rho=0.05, **kwargs):
+        super().__init__(params, dict(rho=rho, **kwargs))
+        self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def first_step(self, zero_grad=False):
+        grad_norm = torch.norm(torch.stack([p.grad.norm(p=2) for g in self.param_groups for p in g["params"] if p.grad is not None]), p=2)
+        for group in self.param_groups:
+            scale = group["rho"] / (grad_norm + 1e-12)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                self.state[p]["old_p"] = p.data.clone()
+                p.add_(p.grad * scale.to(p))
+        if zero_grad:
+            self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self, zero_grad=False):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                p.data = self.state[p]["old_p"]
+        self.base_optimizer.step()
+        if zero_grad:
+            self.zero_grad()
+
+
+def sam_step(model, optimizer, x, y):
+    F.cross_entropy(model(x), y).backward()
+    optimizer.first_step(zero_grad=True)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.second_step(zero_grad=True)
+    return loss
+
+
 def grad_data_clamp_step(model, optimizer, x, y):
     """Gradient clipping by assigning the gradient's ``.data``, then an optimizer step."""
     loss = F.cross_entropy(model(x), y)
@@ -990,6 +1050,10 @@ SCENARIOS: dict[str, dict] = {
     "two_backward_retain_graph": dict(step=two_backward_step),
     # `.data` assigned inside the step: recorded as an in-place copy (the graph dropped it before).
     "data_assignment_sgd": dict(step=data_assignment_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1)),
+    # After `p.data = value` the two are one tensor for the rest of the step (trace._share_assigned_data):
+    # a write to either one shows in the other (was lost: parameters off by the write, SAM's old_p stale).
+    "data_assigned_then_written": dict(step=data_assigned_then_written_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1)),
+    "sam_sgd_momentum": dict(step=sam_step, optimizer_fn=lambda ps: SAM(ps, torch.optim.SGD, lr=0.1, momentum=0.9)),
     "grad_data_clamp": dict(step=grad_data_clamp_step),
     "flat_vector_update": dict(step=flat_vector_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1)),
     "ema_codebook_in_forward": dict(model_fn=EmaCodebook),
@@ -1376,6 +1440,15 @@ def _data_alias_read_step(model, optimizer, x, y):
     return loss + old.sum()
 
 
+SWA_BIAS = {"fc2.bias": torch.zeros(4)}  # a tensor the step reads from a global: a graph input
+
+
+def _data_shared_with_input_step(model, optimizer, x, y):
+    loss = classification_step(model, optimizer, x, y)
+    model.fc2.bias.data = SWA_BIAS["fc2.bias"]  # one tensor with the global's after the call
+    return loss
+
+
 def _data_dtype_step(model, optimizer, x, y):
     loss = classification_step(model, optimizer, x, y)
     model.fc2.bias.data = model.fc2.bias.data.double()
@@ -1397,6 +1470,8 @@ REFUSED_DATA_ASSIGNMENTS = {
     # `old` keeps the old values on one device; the graph's in-place copy would change it.
     "alias_read_after": dict(step=_data_alias_read_step),
     "dtype_changed": dict(step=_data_dtype_step),
+    # `p` and a global's tensor stay one tensor after the call on one device; two graph inputs here.
+    "shared_with_input": dict(step=_data_shared_with_input_step),
     # Tensor.set_ (a storage swap by another name): functionalization dropped it, silently.
     "set_storage": dict(step=_set_storage_step),
 }
