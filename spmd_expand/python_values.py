@@ -249,7 +249,7 @@ class PythonGuards:
         for v in self.values:
             now = v.read()
             if not _same(now, v.value):
-                shown = "<deleted>" if now is _MISSING else repr(now)
+                shown = "<deleted>" if now is _MISSING else _brief(now)
                 if ATTRIBUTE_NAMES in v.description and isinstance(v.value, frozenset):
                     owner = v.description.replace(f".{ATTRIBUTE_NAMES}", "").replace(f"{ATTRIBUTE_NAMES} of ", "")
                     added = sorted(now - v.value) if isinstance(now, frozenset) else []
@@ -259,20 +259,37 @@ class PythonGuards:
                         f"(set: {', '.join(added) or 'none'}; deleted: {', '.join(removed) or 'none'}). Its reads "
                         f"cannot be recorded one by one (a SimpleNamespace), so all its attributes are guarded"
                     )
+                if v.description.startswith("attribute state of the ") and v.description.endswith(" optimizer") and isinstance(now, dict):
+                    return (
+                        f"the {v.description.removeprefix('attribute state of the ')}'s state is not the one the step "
+                        f"was traced with ({_brief(v.value)}, now {shown}): an optimizer creates state on a step "
+                        f"(SGD its momentum_buffer once momentum is set); the graph for the new state compiles once"
+                    )
                 if isinstance(v.value, _FUNCTION_TYPES):
-                    return f"the trace ran the function {v.description} == {v.value!r} (now {shown}); one graph is kept per function"
+                    return f"the trace ran the function {v.description} == {_brief(v.value)} (now {shown}); one graph is kept per function"
                 as_argument = (
                     "pass it to the step as a float argument (`step(model, optimizer, x, y, beta)`: a graph input, "
                     "one graph for every value), keep it in a "
                     if isinstance(v.value, float) and isinstance(now, float) else "keep it in a "
                 )
                 return (
-                    f"the trace read the Python value {v.description} == {v.value!r} (now {shown}), which the "
+                    f"the trace read the Python value {v.description} == {_brief(v.value)} (now {shown}), which the "
                     f"graph bakes in. A value that changes every step recompiles every step: {as_argument}"
                     f"tensor the step is handed (a buffer: model.register_buffer(name, torch.tensor(value)), "
                     f"updated in place with .fill_()), or an optimizer hyperparameter"
                 )
         return None
+
+
+def _brief(value: Any, limit: int = 80) -> str:
+    """``value`` for a message: a container by its type and size (an optimizer's ``state`` holds every
+    tensor), anything else by its repr, cut to ``limit`` characters."""
+    if isinstance(value, (dict, list, tuple, set, frozenset)):
+        items = [*value.keys(), *value.values()] if isinstance(value, dict) else list(value)
+        if len(items) > 16 or not all(v is None or isinstance(v, (bool, int, float, str)) for v in items):
+            return f"a {type(value).__name__} of {len(value)} entries"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ---------------------------------------------------------------------------------------- module reads

@@ -1851,6 +1851,14 @@ def _optimizer_hint(optimizer: torch.optim.Optimizer, data_dependent: bool) -> s
     of tensors where its fused op takes numbers)."""
     name = type(optimizer).__name__
     groups = optimizer.param_groups
+    if any(g.get("differentiable") for g in groups):
+        return (
+            f"construct {name} with differentiable=False (the default): with differentiable=True its step "
+            f"updates the parameters in place with autograd recording, which the compiled step cannot trace "
+            f"(a leaf that requires grad written in place); to differentiate through an update (meta-learning), "
+            f"compute the updated weights out of place and call the model with them "
+            f"(torch.func.functional_call)"
+        )
     if data_dependent:
         capturable = (
             "construct it with capturable=True (its branch-free path, for parameters on CUDA/XPU/HPU), or "

@@ -176,8 +176,10 @@ def test_data_dependent_control_flow(fake_mesh):
         (lambda ps: torch.optim.Adafactor(ps, lr=1e-2), "use an optimizer whose default path"),
         # Adamax's foreach path hands _foreach_addcdiv_ a list of tensors (no overload takes one).
         (lambda ps: torch.optim.Adamax(ps, lr=1e-3, foreach=True), "foreach=False"),
+        # A differentiable step writes the parameters in place with autograd recording (not foreach's fault).
+        (lambda ps: torch.optim.Adam(ps, lr=1e-3, differentiable=True), "with differentiable=False"),
     ],
-    ids=["radam", "asgd", "adafactor", "adamax_foreach"],
+    ids=["radam", "asgd", "adafactor", "adamax_foreach", "adam_differentiable"],
 )
 def test_untraceable_optimizer_path_names_the_optimizer_and_the_fix(fake_mesh, make, fix):
     model = MLP()

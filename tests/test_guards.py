@@ -1110,3 +1110,24 @@ def test_tensors_held_as_attributes_are_graph_inputs(fake_mesh):
     step(model, optimizer, x)
     assert [r.key for r in step.last.traced.inputs if r.kind == "constant"] == ["attribute weights of args of the _ArgsTrainer object of _ArgsTrainer.train_step"]
     assert sum(len(v) for v in step.cache.values()) == 1
+
+
+def test_optimizer_state_created_after_a_momentum_change_is_named_briefly(fake_mesh):
+    """SGD without momentum keeps no state; once a schedule sets momentum, its first step creates
+    momentum buffers and the next call compiles for them. The warning says that, in one line, not the
+    repr of every state tensor (it printed them all)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(cases.mse_step)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for momentum in (0.0, 0.9, 0.9):
+            optimizer.param_groups[0]["momentum"] = momentum
+            step(model, optimizer, x)
+    messages = [str(w.message) for w in caught if "spmd.compile" in str(w.message)]
+    created = [m for m in messages if "state is not the one" in m]
+    assert len(created) == 1, messages
+    assert "the SGD optimizer's state is not the one the step was traced with" in created[0], created[0]
+    assert "now a defaultdict of 4 entries" in created[0] and len(created[0]) < 400, created[0]
