@@ -60,6 +60,7 @@ import itertools
 import operator
 import sys
 import types
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -1452,8 +1453,10 @@ def _hidden_state(obj: Any) -> Optional[tuple[str, Any]]:
         # __reduce__ (`count(3)`, `(iter, (list,), 2)`); where that is missing, their repr.
         kind = type(obj).__qualname__ if type(obj).__module__ == "builtins" else f"{type(obj).__module__}.{type(obj).__qualname__}"
         try:
-            return kind, obj.__reduce__()
-        except Exception:  # noqa: BLE001 - any iterator without __reduce__
+            with warnings.catch_warnings():  # Python 3.12-3.13 deprecate itertools' pickling
+                warnings.simplefilter("ignore", DeprecationWarning)
+                return kind, obj.__reduce__()
+        except Exception:  # noqa: BLE001 - any iterator without __reduce__ (itertools from Python 3.14: its repr)
             return kind, repr(obj)
     return None
 
