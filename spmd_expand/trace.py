@@ -868,6 +868,15 @@ def _is_whole(node: Any, root: Any) -> bool:
     return True
 
 
+def _read_after(root: fx.Node, node: fx.Node, nodes: Sequence[fx.Node], order: Mapping[fx.Node, int]) -> bool:
+    """Whether a node after ``node`` takes a value of ``root``'s storage (itself or an alias) as an input."""
+    return any(
+        _aliased_input(arg) is root
+        for later in nodes[order[node] + 1:]
+        for arg in later.all_input_nodes
+    )
+
+
 def _share_assigned_data(gm: fx.GraphModule, input_roles: Sequence[InputRole], outputs: Sequence[OutputRole]) -> None:
     """Keep ``p`` and ``value`` one tensor after ``p.data = value`` for the rest of the step.
 
@@ -881,9 +890,12 @@ def _share_assigned_data(gm: fx.GraphModule, input_roles: Sequence[InputRole], o
     next call has them as two inputs. Where that could show, refused: ``value`` is a graph input, or
     is kept after the call (returned, or stored as optimizer state whose input the step reads).
 
+    Where ``value`` is part of a larger tensor's storage (``p.data = flat[i:j].view_as(p)``, torch's
+    ``vector_to_parameters``), a write to one of them is refused if the other is read afterwards (a
+    parameter always is: it outlives the call).
+
     Raises:
-        TraceError: a sharing the graph cannot keep (above, or a write to a tensor that shares only part
-            of ``p``'s or ``value``'s storage), naming the assignment's line and the fix.
+        TraceError: a sharing the graph cannot keep (above), naming the assignment's line and the fix.
     """
     assignments = [n for n in gm.graph.nodes if (n.meta.get("custom") or {}).get(DATA_ASSIGNMENT_KEY)]
     if not assignments:
@@ -927,11 +939,17 @@ def _share_assigned_data(gm: fx.GraphModule, input_roles: Sequence[InputRole], o
             hit = {r for r in roots if r is target_root or r is value_root}
             if not hit:
                 continue
-            if not whole or len(hit) > 1:
-                raise refuse(assignment, f"{node.target} writes one of them where the graph has two tensors that "
-                                         f"share only part of a storage")
+            if len(hit) > 1:
+                raise refuse(assignment, f"{node.target} writes both of them at once")
             written = hit.pop()
-            mirrors.append((node, value_root if written is target_root else target_root, written))
+            other = value_root if written is target_root else target_root
+            if whole:
+                mirrors.append((node, other, written))
+            elif other is target_root or other in returned or _read_after(other, node, nodes, order):
+                # `p = flat[i:j].view_as(p)` (torch's vector_to_parameters): `p` is part of `flat`'s storage;
+                # a write to one matters where the other is read afterwards (a parameter always is).
+                raise refuse(assignment, f"{node.target} writes one of them, and the other, which shares only part "
+                                         f"of its storage (e.g. a slice of a flat vector), is read afterwards")
         for node, destination, source in mirrors:
             with gm.graph.inserting_after(node):
                 mirror = gm.graph.call_function(torch.ops.aten.copy_.default, (destination, source))

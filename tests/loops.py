@@ -190,6 +190,17 @@ def data_assignment_step(model, optimizer, x, y):
     return loss
 
 
+def flat_vector_then_step(model, optimizer, x, y):
+    """Weights shrunk as one flat vector (``vector_to_parameters``: each parameter becomes a slice of
+    ``flat``), then an optimizer step that writes them: ``flat`` changes too on one device, but nothing
+    reads it afterwards."""
+    params = list(model.parameters())
+    with torch.no_grad():
+        flat = torch.nn.utils.parameters_to_vector(params) * 0.99
+        torch.nn.utils.vector_to_parameters(flat, params)
+    return classification_step(model, optimizer, x, y)
+
+
 def data_assigned_then_written_step(model, optimizer, x, y):
     """``p.data = buf`` and then an in-place write to ``buf``: on one device ``p`` and ``buf`` are one
     tensor after the assignment, so ``p`` sees the write."""
@@ -1054,6 +1065,7 @@ SCENARIOS: dict[str, dict] = {
     # a write to either one shows in the other (was lost: parameters off by the write, SAM's old_p stale).
     "data_assigned_then_written": dict(step=data_assigned_then_written_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1)),
     "sam_sgd_momentum": dict(step=sam_step, optimizer_fn=lambda ps: SAM(ps, torch.optim.SGD, lr=0.1, momentum=0.9)),
+    "flat_vector_then_step": dict(step=flat_vector_then_step),
     "grad_data_clamp": dict(step=grad_data_clamp_step),
     "flat_vector_update": dict(step=flat_vector_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1)),
     "ema_codebook_in_forward": dict(model_fn=EmaCodebook),
@@ -1449,6 +1461,14 @@ def _data_shared_with_input_step(model, optimizer, x, y):
     return loss
 
 
+def _flat_vector_returned_step(model, optimizer, x, y):
+    params = list(model.parameters())
+    with torch.no_grad():
+        flat = torch.nn.utils.parameters_to_vector(params) * 0.99
+        torch.nn.utils.vector_to_parameters(flat, params)
+    return classification_step(model, optimizer, x, y), flat  # on one device `flat` holds the updated weights
+
+
 def _data_dtype_step(model, optimizer, x, y):
     loss = classification_step(model, optimizer, x, y)
     model.fc2.bias.data = model.fc2.bias.data.double()
@@ -1472,6 +1492,7 @@ REFUSED_DATA_ASSIGNMENTS = {
     "dtype_changed": dict(step=_data_dtype_step),
     # `p` and a global's tensor stay one tensor after the call on one device; two graph inputs here.
     "shared_with_input": dict(step=_data_shared_with_input_step),
+    "flat_vector_returned": dict(step=_flat_vector_returned_step),
     # Tensor.set_ (a storage swap by another name): functionalization dropped it, silently.
     "set_storage": dict(step=_set_storage_step),
 }

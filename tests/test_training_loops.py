@@ -18,7 +18,7 @@ RTOL, ATOL = 1e-4, 1e-5
 
 DDP = list(loops.SCENARIOS)
 CLIP = ["clip_grad_norm", "clip_grad_value", "grads_through_module", "zero_grad_set_to_none_false"]
-FSDP = CLIP + ["torch_compiled_model", "torch_compiled_block", "data_assignment_sgd", "data_assigned_then_written", "sam_sgd_momentum", "grad_data_clamp", "flat_vector_update", "ema_codebook_in_forward", "pgd_adversarial", "grad_data_in_hook", "lamb_python_int_step", "adamw_python_int_step_resumed", "adamw_python_int_step_in_group", "contrastive_clip", "mixup_randperm", "manual_sgd_no_optimizer", "gradient_penalty_double_backward", "buffer_assigned", "gradient_hooks", "forward_hook_added", "step_lr", "one_cycle_adam_foreach", "freeze_unfreeze", "zero_grad_first", "muon_fp32", "evaluate_inference_mode", "load_full_state_dict", "modes_set_inside_steps", "learnable_temperature_adamw", "lookahead_attribute_count_adamw", "float_argument_ema_teacher", "global_tensor_constants", "hf_distillation_annealed"]
+FSDP = CLIP + ["torch_compiled_model", "torch_compiled_block", "data_assignment_sgd", "data_assigned_then_written", "sam_sgd_momentum", "flat_vector_then_step", "grad_data_clamp", "flat_vector_update", "ema_codebook_in_forward", "pgd_adversarial", "grad_data_in_hook", "lamb_python_int_step", "adamw_python_int_step_resumed", "adamw_python_int_step_in_group", "contrastive_clip", "mixup_randperm", "manual_sgd_no_optimizer", "gradient_penalty_double_backward", "buffer_assigned", "gradient_hooks", "forward_hook_added", "step_lr", "one_cycle_adam_foreach", "freeze_unfreeze", "zero_grad_first", "muon_fp32", "evaluate_inference_mode", "load_full_state_dict", "modes_set_inside_steps", "learnable_temperature_adamw", "lookahead_attribute_count_adamw", "float_argument_ema_teacher", "global_tensor_constants", "hf_distillation_annealed"]
 TP = CLIP + ["cosine", "train_eval", "muon_fp32", "torch_compiled_model", "load_full_state_dict"]
 TWO_D = ["clip_grad_norm", "grads_through_module"]
 # Under the default lowering: Inductor would compile float hyperparameters in as constants
@@ -251,6 +251,8 @@ def test_data_assignments_that_a_compiled_step_cannot_keep_are_refused(plan):
         shared = message["shared_with_input"]
         assert shared.startswith("TraceError: assigns a tensor's `.data`"), shared
         assert "model.fc2.bias.data = SWA_BIAS" in shared and "p.copy_(value)" in shared, shared
+        flat = message["flat_vector_returned"]
+        assert flat.startswith("TraceError: assigns a tensor's `.data`") and "outlives the call" in flat, flat
         swap = message["set_storage"]
         assert swap.startswith("TraceError: Tensor.set_ makes a tensor alias another's storage"), swap
         assert "model.fc2.weight.set_(" in swap
