@@ -106,6 +106,9 @@ class _Binding:
     hyperparameters: list  # HyperParameter, then FloatArgument, then FloatConstant
     # (input index, TensorConstant, (shape, dtype, device)): read from its place on every call
     tensor_constants: list = dataclasses.field(default_factory=list)
+    # The arguments' pytree structure: batch inputs are bound by leaf index, so a dict whose keys come
+    # in another order (or keywords in another order) is another binding, not these tensors swapped.
+    structure: Any = None
 
     def local_inputs(self, batch_leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         out = list(self.local_template)
@@ -138,6 +141,7 @@ class _Selection:
     tensor_constants: list  # TensorConstant, in the order of the graph's constant inputs
     compiled: list  # the cache entry: graphs compiled for this state
     artifacts: Optional[StepArtifacts]  # the one whose guards hold; None: compile one
+    structure: Any = None  # the arguments' pytree structure (dict keys and their order, keywords)
 
 
 class CompiledStep:
@@ -368,7 +372,7 @@ class CompiledStep:
             labels = self._labels[structure] = argument_labels(self.fn, args, kwargs)
         float_args = float_arguments(leaves, labels) if self._float_inputs != "none" else []
         constants = self._constants(leaves, labels, {fa.position for fa in float_args})
-        bound = self._bound_call(model, optimizer, batch_leaves, constants, leaves)
+        bound = self._bound_call(model, optimizer, batch_leaves, constants, leaves, structure)
         if bound is None:
             # Every full call: state loaded since the last call (e.g. by set_state_dict) may be plain tensors.
             self.prepare(model, optimizer)
@@ -381,7 +385,7 @@ class CompiledStep:
             float_constants = step_float_constants(self.fn, model, optimizer) if self._float_inputs == "all" else []
             hyperparameters = [*hyperparameters_of(optimizer), *float_args, *float_constants]
             values = [hp.read(optimizer, leaves) for hp in hyperparameters]
-            selection = self._select(model, optimizer, batch_leaves, constants, hyperparameters, values)
+            selection = self._select(model, optimizer, batch_leaves, constants, hyperparameters, values, structure)
             selected = selection.artifacts if selection else None
             held = [(r.key, t) for r, t in zip(selection.roles, selection.locals_) if r.kind == "constant"] if selection else []
         else:
@@ -425,13 +429,14 @@ class CompiledStep:
             if not isinstance(x, (torch.Tensor, nn.Module, torch.optim.Optimizer))
         )
 
-    def _bound_call(self, model, optimizer, batch_leaves, constants, leaves) -> Optional[tuple]:
+    def _bound_call(self, model, optimizer, batch_leaves, constants, leaves, structure) -> Optional[tuple]:
         """(artifacts, local inputs, hyperparameter values) when this call matches the last full one
         (:class:`_Binding`) and its graph's guards hold; else None (take the full path)."""
         binding = self._binding
         if (
             binding is None
             or binding.gradient_sync != self.requires_gradient_sync
+            or binding.structure != structure
             or binding.constants != constants
             or len(binding.batch) != len(batch_leaves)
             or any((t.shape, t.dtype, t.device) != b for t, b in zip(batch_leaves, binding.batch))
@@ -451,7 +456,7 @@ class CompiledStep:
             return None
         return binding.artifacts, locals_, values
 
-    def _bind(self, model, optimizer, taken: Snapshot, roles, placements, specs, locals_, batch_leaves, constants, hyperparameters, artifacts, tensor_constants) -> None:
+    def _bind(self, model, optimizer, taken: Snapshot, roles, placements, specs, locals_, batch_leaves, constants, hyperparameters, artifacts, tensor_constants, structure=None) -> None:
         params = dict(model.named_parameters())
         by_label = {c.label: c for c in tensor_constants}
         template: list = []
@@ -476,9 +481,10 @@ class CompiledStep:
             gradient_sync=self.requires_gradient_sync,
             hyperparameters=hyperparameters,
             tensor_constants=constant_inputs,
+            structure=structure,
         )
 
-    def _select(self, model, optimizer, batch_leaves, constants, hyperparameters, values) -> Optional[_Selection]:
+    def _select(self, model, optimizer, batch_leaves, constants, hyperparameters, values, structure) -> Optional[_Selection]:
         """The inputs and cache entry of a full-path call, and the compiled graph it runs (None: it
         compiles one). None when this rank's batch has a problem (the batch check then raises)."""
         if batch_problems(batch_leaves, self._resolved, self.mesh):
@@ -490,14 +496,14 @@ class CompiledStep:
         lifted = tuple(f"{hp}=<float input>" for hp in hyperparameters if isinstance(hp, FloatConstant))
         key = cache_key(
             self._ids, model, optimizer, hyperparameters, tuple(zip(roles, specs, placements)), constants + lifted,
-            self.requires_gradient_sync,
+            self.requires_gradient_sync, structure,
         )
         compiled = self.cache.setdefault(key, [])
         artifacts = next(
             (a for a in compiled if a.traced.guards.check(values) is None and a.traced.python_guards.check() is None),
             None,
         )
-        return _Selection(taken, roles, specs, placements, locals_, tensor_constants, compiled, artifacts)
+        return _Selection(taken, roles, specs, placements, locals_, tensor_constants, compiled, artifacts, structure)
 
     def _run(self, args, kwargs, model, optimizer, batch_leaves, constants, hyperparameters, values, selection: _Selection) -> Any:
         """A full-path call: compile the selected state's graph if none holds (:meth:`_select`), bind
@@ -548,6 +554,7 @@ class CompiledStep:
                         stacklevel=4,
                     )
                 self._note_new_constants(constants)
+                self._note_new_structure(sel.structure)
             self._note_batch_shapes(batch_leaves)
             float_args = [hp for hp in hyperparameters if isinstance(hp, (FloatArgument, FloatConstant))]
             try:
@@ -565,7 +572,7 @@ class CompiledStep:
         self.last = artifacts
         self._bind(
             model, optimizer, sel.snapshot, sel.roles, sel.placements, sel.specs, sel.locals_, batch_leaves, constants,
-            hyperparameters, artifacts, sel.tensor_constants,
+            hyperparameters, artifacts, sel.tensor_constants, sel.structure,
         )
         outputs = artifacts.runner(*sel.locals_, *values)
         return self._write_back(artifacts.traced, outputs, model, optimizer, values)
@@ -584,6 +591,23 @@ class CompiledStep:
             f"the graph (one compilation per value, cached; a float is a graph input): one that changes on "
             f"every call (a step counter) compiles on every call. Pass what the step decides with it "
             f"(`sync=(i + 1) % accumulation == 0`: two values), or a tensor",
+            stacklevel=5,
+        )
+
+    def _note_new_structure(self, structure: Any) -> None:
+        """Warn when a graph is compiled because the arguments' structure changed (a dict batch's keys in
+        another order or other keys, keywords in another order): batch tensors are bound to graph inputs
+        by their position among the arguments' leaves, so each structure is a graph of its own."""
+        before = self._binding.structure if self._binding is not None else None
+        if before is None or before == structure:
+            return
+        old, new = self._labels.get(before, []), self._labels.get(structure, [])
+        warnings.warn(
+            f"spmd.compile: compiling {getattr(self.fn, '__name__', 'the step')} again for arguments of another "
+            f"structure (now {', '.join(new) or '?'}; before {', '.join(old) or '?'}). Batch tensors are graph "
+            f"inputs by their position among the arguments, so a dict whose keys come in another order, other "
+            f"keys, or keywords in another order compile a graph each (cached). Pass the same keys in the same "
+            f"order on every call",
             stacklevel=5,
         )
 

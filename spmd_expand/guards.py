@@ -114,10 +114,13 @@ def cache_key(
     inputs: tuple,
     constants: tuple,
     gradient_sync: bool,
+    structure: Any = None,
 ) -> tuple:
     """Everything a traced graph depends on besides its inputs and hyperparameter guards.
 
-    ``inputs`` is the per-input (role, global spec, placements) tuple of the call.
+    ``inputs`` is the per-input (role, global spec, placements) tuple of the call; ``structure`` the
+    pytree structure of the step's arguments (batch inputs are numbered by leaf: a dict's keys in
+    another order are other inputs).
     """
     fqn_of = {id(p): fqn for fqn, p in model.named_parameters()}
     # Which module objects make up the model: a module without parameters (an activation) swapped
@@ -145,7 +148,7 @@ def cache_key(
         )
     hook_objects, hook_counts = hooks(list(model.modules()), list(model.parameters()), optimizer)
     hook_key = (tuple(id(h) if isinstance(h, dict) else ids(h) for h in hook_objects), tuple(hook_counts))
-    return (ids(model), ids(optimizer), modules, requires_grad, groups, state, inputs, constants, gradient_sync, hook_key)
+    return (ids(model), ids(optimizer), modules, requires_grad, groups, state, inputs, constants, gradient_sync, hook_key, structure)
 
 
 @dataclass

@@ -1727,3 +1727,50 @@ def run_changing_batch_shapes(rank: int, world: int) -> dict:
         "compilations": sum(len(v) for v in compiled.cache.values()),
         "warnings": [(str(w.message), w.filename) for w in caught if "new batch shapes" in str(w.message)],
     }
+
+
+def weighted_pair_step(model, optimizer, batch):
+    """A dict batch of two same-shaped tensors used differently (HuggingFace's input_ids / labels)."""
+    loss = (model(batch["x"]) - batch["target"]).square().mean() + 0.1 * batch["target"].mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def keyword_pair_step(model, optimizer, *, x, target):
+    return weighted_pair_step(model, optimizer, {"x": x, "target": target})
+
+
+def run_argument_structures(rank: int, world: int) -> dict:
+    """Worker: the same tensors passed as a dict in one key order, then the other, and as keywords in
+    both orders. Batch inputs are bound by their position among the arguments' leaves: each order is
+    its own graph (was: the cached graph ran with the two tensors swapped, no warning)."""
+    import warnings
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    by_dict = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(weighted_pair_step)
+    by_keywords = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(keyword_pair_step)
+    losses = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, order in enumerate(("x", "target", "x", "target")):
+            g = torch.Generator().manual_seed(i)
+            x, target = torch.randn(8, 4, generator=g), 3.0 + torch.randn(8, 4, generator=g)
+            local = {"x": x.tensor_split(world)[rank], "target": target.tensor_split(world)[rank]}
+            first, second = ("x", "target") if order == "x" else ("target", "x")
+            dict_loss = by_dict(model, opt, {first: local[first], second: local[second]})
+            keyword_loss = by_keywords(model, opt, **{first: local[first], second: local[second]})
+            ref_dict = weighted_pair_step(ref, ref_opt, {first: {"x": x, "target": target}[first], second: {"x": x, "target": target}[second]})
+            ref_keywords = keyword_pair_step(ref, ref_opt, x=x, target=target)
+            losses += [(dict_loss, ref_dict), (keyword_loss, ref_keywords)]
+    return {
+        "losses": losses,
+        "params": [(_full(p).detach(), r.detach()) for p, r in zip(model.parameters(), ref.parameters())],
+        "compilations": [sum(len(v) for v in c.cache.values()) for c in (by_dict, by_keywords)],
+        "warnings": [str(w.message) for w in caught if "another structure" in str(w.message)],
+    }

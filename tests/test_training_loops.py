@@ -307,3 +307,14 @@ def test_a_new_batch_shape_compiles_once_with_a_warning():
         assert "compiling next_token_step for new batch shapes (2 shapes so far; argument 0: (4, 12) int64, before (4, 8) int64; argument 1: (4, 12) int64, before (4, 8) int64)" in message, message
         assert "pad_to_multiple_of" in message
         assert filename.endswith("loops.py"), filename  # points at the caller's line
+
+
+def test_a_dict_batch_in_another_key_order_is_another_graph():
+    for res in run_local(loops.run_argument_structures, 2, timeout_s=600):
+        for loss, ref_loss in res["losses"]:
+            torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+        for param, ref_param in res["params"]:
+            torch.testing.assert_close(param, ref_param, rtol=RTOL, atol=ATOL)
+        assert res["compilations"] == [2, 2]
+        assert len(res["warnings"]) == 2, res["warnings"]
+        assert "(now model, optimizer, batch['target'], batch['x']; before model, optimizer, batch['x'], batch['target'])" in res["warnings"][0]
