@@ -100,7 +100,7 @@ class _Binding:
     local_template: list  # every graph tensor input's local tensor; None where read on every call
     gradients: list[tuple]  # (input index, parameter, placements, global shape)
     batch_inputs: list[tuple[int, int]]  # (input index, index among the batch tensors)
-    batch: list[tuple]  # (shape, dtype, device) of every batch tensor
+    batch: list[tuple]  # (shape, dtype, device, requires_grad) of every batch tensor
     constants: tuple
     gradient_sync: bool
     hyperparameters: list  # HyperParameter, then FloatArgument, then FloatConstant
@@ -439,7 +439,7 @@ class CompiledStep:
             or binding.structure != structure
             or binding.constants != constants
             or len(binding.batch) != len(batch_leaves)
-            or any((t.shape, t.dtype, t.device) != b for t, b in zip(batch_leaves, binding.batch))
+            or any((t.shape, t.dtype, t.device, t.requires_grad) != b for t, b in zip(batch_leaves, binding.batch))
             or not snapshot(model, optimizer).same_as(binding.snapshot)
         ):
             return None
@@ -476,7 +476,7 @@ class CompiledStep:
             local_template=template,
             gradients=gradients,
             batch_inputs=batch_inputs,
-            batch=[(t.shape, t.dtype, t.device) for t in batch_leaves],
+            batch=[(t.shape, t.dtype, t.device, t.requires_grad) for t in batch_leaves],
             constants=constants,
             gradient_sync=self.requires_gradient_sync,
             hyperparameters=hyperparameters,

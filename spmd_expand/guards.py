@@ -260,6 +260,7 @@ def _snapshot(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> S
 
 
 _LAYOUT_PROBLEM = "not dense: tensor argument"
+_GRAD_PROBLEM = "requires grad: tensor argument"
 
 
 def is_dense(t: torch.Tensor) -> bool:
@@ -293,6 +294,14 @@ def batch_problems(leaves: Sequence[torch.Tensor], plan: ResolvedPlan, mesh: Dev
         if not_dense is not None:
             problems.append(f"{_LAYOUT_PROBLEM} {i} {not_dense}")
             continue
+        if t.requires_grad:
+            problems.append(
+                f"{_GRAD_PROBLEM} {i}: the compiled step takes its tensor arguments as data (they "
+                f"are traced as not requiring grad, and no gradient flows back to what computed them, such as "
+                f"another model's output); pass `t.detach()`, and to differentiate with respect to the input "
+                f"inside the step (an input-gradient penalty, an adversarial example) call "
+                f"`x = x.detach().requires_grad_()` there"
+            )
         for style in plan.styles:
             batch_dim = getattr(style, "batch_dim", None)
             if batch_dim is not None and 0 < t.dim() <= batch_dim:
@@ -591,11 +600,13 @@ def _verdict(gathered, group, leaves, plan, mesh, call, shapes, problems, consta
     for rank, (rank_shapes, rank_problems, _) in zip(ranks, reports):
         shown = ", ".join(f"{tuple(s)} {d.replace('torch.', '')}" for s, d in rank_shapes)
         lines.append(f"  rank {rank}: {shown}" + "".join(f"\n    problem: {p}" for p in rank_problems))
-    only_layouts = all(r[0] == reports[0][0] for r in reports) and all(
-        p.startswith(_LAYOUT_PROBLEM) for r in reports for p in r[1]
-    )
+    same_shapes = all(r[0] == reports[0][0] for r in reports)
+    only_layouts = same_shapes and all(p.startswith(_LAYOUT_PROBLEM) for r in reports for p in r[1])
+    only_grads = same_shapes and all(p.startswith(_GRAD_PROBLEM) for r in reports for p in r[1])
+    only_layouts = only_layouts or only_grads
     raise BatchError(
-        ("the step's batch tensors cannot be placed:\n" if only_layouts else
+        ("the step's batch tensors require grad:\n" if only_grads else
+         "the step's batch tensors cannot be placed:\n" if only_layouts else
          "the ranks' local batches do not form a global batch this plan can split evenly:\n")
         + "\n".join(lines)
         + (

@@ -1202,6 +1202,11 @@ def run_bad_batches(rank: int, world: int) -> dict:
     step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(classification_step)
     x, y = _batch(0, 4)
     results["sparse_on_rank_0"] = _refusal(lambda: step(model, torch.optim.SGD(model.parameters(), lr=0.1), x.to_sparse() if rank == 0 else x, y))
+    # A batch tensor that requires grad (another model's output passed without detach()) on rank 0,
+    # after a call that bound the fast path: traced as data, it would get no gradient, silently.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step(model, optimizer, x, y)
+    results["requires_grad_on_rank_0"] = _refusal(lambda: step(model, optimizer, x.clone().requires_grad_(rank == 0), y))
     # A Python argument is a constant of the one program: ranks passing different values are refused,
     # also when each value's graph is already compiled (no trace, so no graph comparison, would see it).
     step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(scaled_step)

@@ -161,6 +161,9 @@ def test_refused_batches():
         sparse = res["sparse_on_rank_0"]
         assert sparse.startswith("BatchError: the step's batch tensors cannot be placed"), sparse
         assert "problem: not dense: tensor argument 0 has layout torch.sparse_coo" in sparse and "`t.to_dense()`" in sparse
+        grad = res["requires_grad_on_rank_0"]
+        assert grad.startswith("BatchError: the step's batch tensors require grad"), grad
+        assert "problem: requires grad: tensor argument 0" in grad and "pass `t.detach()`" in grad, grad
         assert "rank 0: scale=1\n  rank 1: scale=2" in res["different_constants"], res["different_constants"]
         floats = res["different_float_arguments"]
         assert floats.startswith("BatchError: the ranks pass different float arguments"), floats
