@@ -193,15 +193,99 @@ class GlobalState:
             return self._guard.reason().strip() or "global state"
 
 
+class CodeIdentity:
+    """Which code a traced step ran, checked on every call: the graph is that code's, so a method or
+    ``forward`` replaced afterwards (``model.forward = ...``, ``Net.forward = ...``, ``model.act = fn``
+    shadowing a method, ``self.fn = other.method``, ``f.__code__ = ...``, ``optimizer.step = wrapper``)
+    must compile again, as Dynamo's guards on the code objects a frame ran do.
+
+    Held by identity: the ``__code__`` of the user's functions the trace follows
+    (:func:`~spmd_expand.trace.step_functions`), every attribute of the user's classes among the
+    model's and the optimizers' classes and their bases (library classes, torch's and installed
+    packages', are not watched), each optimizer's instance-level ``step``, and (:meth:`bind`) the
+    callables the model's modules hold as instance attributes and how many instance attributes each
+    module has (a new one may shadow a method of its class)."""
+
+    def __init__(self, functions: Sequence[Callable], classes: Sequence[type], optimizers: Sequence[Any]) -> None:
+        followed = list(_user_functions(list(functions), FOLLOW_DEPTH))
+        self.functions = [(fn, fn.__code__) for fn in followed]
+        # functools.partial objects those functions load (a global `loss = partial(F.cross_entropy, ...)`):
+        # their function and arguments, which can change in place (`loss.keywords["weight"] = ...`).
+        partials = {id(v): v for fn in followed for _, _, _, v, _ in _loaded_values(fn) if isinstance(v, functools.partial)}
+        self.partials = [(p, _partial_state(p)) for p in partials.values()]
+        mro = dict.fromkeys(c for cls in classes for c in cls.__mro__ if _is_user_class(c))
+        self.classes = [(cls, dict(vars(cls))) for cls in mro]
+        self.optimizers = [(o, vars(o).get("step")) for o in optimizers]
+        self.modules: list[tuple[str, nn.Module]] = []
+        self.sizes: list[int] = []
+        self.keys: list[frozenset] = []
+        self.held: list[tuple[str, nn.Module, str, Any]] = []
+
+    def bind(self, model: nn.Module) -> None:
+        """Record the model's modules as they are once the trace-time swaps are undone."""
+        self.modules = list(model.named_modules())
+        self.sizes = [len(vars(m)) for _, m in self.modules]
+        self.keys = [frozenset(vars(m)) for _, m in self.modules]
+        self.held = [
+            (fqn, m, name, value)
+            for fqn, m in self.modules
+            for name, value in vars(m).items()
+            if callable(value) and not isinstance(value, (nn.Module, torch.Tensor))
+        ]
+
+    def check(self) -> Optional[str]:
+        """None when the code is what was traced, else what changed."""
+        for fn, code in self.functions:
+            if fn.__code__ is not code:
+                return f"the code of function {fn.__qualname__} was replaced (its __code__)"
+        for partial, state in self.partials:
+            if not _same_partial(_partial_state(partial), state):
+                return f"the functools.partial of {getattr(partial.func, '__name__', partial.func)} has other arguments"
+        for cls, attributes in self.classes:
+            now = vars(cls)
+            if len(now) != len(attributes) or any(now.get(k, _MISSING) is not v for k, v in attributes.items()):
+                changed = sorted(k for k in {*now, *attributes} if now.get(k, _MISSING) is not attributes.get(k, _MISSING))
+                return f"class {cls.__qualname__} has other attributes ({', '.join(changed)} set, replaced or deleted)"
+        for optimizer, step in self.optimizers:
+            if vars(optimizer).get("step") is not step:
+                return f"the {type(optimizer).__qualname__} optimizer's step was replaced on the instance"
+        if list(map(len, map(vars, (m for _, m in self.modules)))) != self.sizes:
+            for (fqn, m), keys in zip(self.modules, self.keys):
+                now = frozenset(vars(m))
+                if now != keys:
+                    where = f"model.{fqn}" if fqn else "model"
+                    return (f"{where} has other instance attributes (set: {', '.join(sorted(now - keys)) or 'none'}; "
+                            f"deleted: {', '.join(sorted(keys - now)) or 'none'}), which may shadow its class's methods")
+        for fqn, m, name, value in self.held:
+            if vars(m).get(name, _MISSING) is not value:
+                return f"model{'.' + fqn if fqn else ''}.{name} holds another callable than when traced"
+        return None
+
+
+def _partial_state(p: functools.partial) -> tuple:
+    return p.func, tuple(p.args), dict(p.keywords)
+
+
+def _same_partial(a: tuple, b: tuple) -> bool:
+    """Two :func:`_partial_state`: the same function, arguments the same objects or equal scalars."""
+    return (
+        a[0] is b[0]
+        and len(a[1]) == len(b[1]) and all(map(_same, a[1], b[1]))
+        and a[2].keys() == b[2].keys() and all(_same(a[2][k], b[2][k]) for k in a[2])
+    )
+
+
 @dataclass
 class PythonGuards:
     """What one trace read from outside its inputs, checked on every call: Python values
-    (:class:`PythonValue`) and torch's global state (:class:`GlobalState`)."""
+    (:class:`PythonValue`), torch's global state (:class:`GlobalState`) and the code it ran
+    (:class:`CodeIdentity`)."""
 
     values: list[PythonValue] = field(default_factory=list)
     global_state: Optional[GlobalState] = None
     # Module attribute reads not yet bound to the model's modules (see bind).
     module_reads: list["ModuleRead"] = field(default_factory=list)
+    code: Optional[CodeIdentity] = None
 
     def bind(self, model: nn.Module) -> None:
         """Turn :attr:`module_reads` into values read from ``model``'s own modules. Call it once the
@@ -209,6 +293,8 @@ class PythonGuards:
         originals back: a read of a stand-in (or of a module inside one, which has no place in the
         model) then guards every scalar attribute of the model's module at the nearest place (the
         stand-in was built from them; which of them it read is not known)."""
+        if self.code is not None:
+            self.code.bind(model)
         reads, self.module_reads = self.module_reads, []
         whole: set = set()
         for read in reads:
@@ -279,6 +365,11 @@ class PythonGuards:
                     f"tensor the step is handed (a buffer: model.register_buffer(name, torch.tensor(value)), "
                     f"updated in place with .fill_()), or an optimizer hyperparameter"
                 )
+        # After the values: a scalar attribute set on a module is named there, with its value.
+        if self.code is not None:
+            changed = self.code.check()
+            if changed is not None:
+                return f"the code the step runs is not the code it was traced with: {changed}; one graph is kept per code"
         return None
 
 

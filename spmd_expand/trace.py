@@ -60,6 +60,7 @@ from torch.utils._sympy.symbol import SymT, symbol_is_type
 from . import ops, optimizer_state
 from .boundaries import mark_boundaries, mark_sequence_first
 from .python_values import (
+    CodeIdentity,
     GlobalState,
     PythonGuards,
     RandomStateUse,
@@ -1462,6 +1463,7 @@ def trace_step(
              if v.description not in lifted_floats],
             global_state,
             recorded[-1].module_reads,
+            CodeIdentity(user_functions, owners, [holder for _, holder in optimizer_state.holders(optimizer)] if optimizer is not None else []),
         ),
         list(state_writes),
         list(group_writes),

@@ -14,6 +14,7 @@ import collections
 import copy
 import dataclasses
 import enum
+import functools
 import math
 import types
 import warnings
@@ -1131,3 +1132,106 @@ def test_optimizer_state_created_after_a_momentum_change_is_named_briefly(fake_m
     assert len(created) == 1, messages
     assert "the SGD optimizer's state is not the one the step was traced with" in created[0], created[0]
     assert "now a defaultdict of 4 entries" in created[0] and len(created[0]) < 400, created[0]
+
+
+def _doubled(h):
+    return h * 2.0
+
+
+SCALED = functools.partial(torch.mul, other=1.5)
+
+
+class _Squashers:
+    def tanh(self, h):
+        return torch.tanh(h)
+
+    def sigmoid(self, h):
+        return torch.sigmoid(h)
+
+
+SQUASHERS = _Squashers()
+
+
+class _Patchable(nn.Module):
+    """A forward that calls a method of its class, a global function, a global partial and a callable
+    it holds: each can be replaced between calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self.squash = SQUASHERS.tanh  # a bound method of a user object
+
+    def act(self, h):
+        return SCALED(_doubled(h))
+
+    def forward(self, x):
+        return self.a(self.squash(self.act(x)))
+
+
+def _replace_instance_forward(model, optimizer):
+    model.forward = types.MethodType(lambda self, x: self.a(x), model)
+
+
+def _replace_class_method(model, optimizer):
+    _Patchable.act = lambda self, h: h
+
+
+def _shadow_method(model, optimizer):
+    model.act = lambda h: h
+
+
+def _replace_held_callable(model, optimizer):
+    model.squash = SQUASHERS.sigmoid
+
+
+def _replace_code(model, optimizer):
+    _doubled.__code__ = (lambda h: h * 3.0).__code__
+
+
+def _change_partial(model, optimizer):
+    SCALED.keywords["other"] = 2.5
+
+
+def _wrap_optimizer_step(model, optimizer):
+    step = optimizer.step
+    optimizer.step = lambda *a, **k: step(*a, **k)
+
+
+@pytest.mark.parametrize(
+    "patch, said",
+    [
+        (_replace_instance_forward, "model has other instance attributes (set: forward"),
+        (_replace_class_method, "class _Patchable has other attributes (act set, replaced or deleted)"),
+        (_shadow_method, "model has other instance attributes (set: act"),
+        (_replace_held_callable, "model.squash holds another callable than when traced"),
+        (_replace_code, "the code of function _doubled was replaced"),
+        (_change_partial, "the functools.partial of mul has other arguments"),
+        (_wrap_optimizer_step, "the SGD optimizer's step was replaced on the instance"),
+    ],
+    ids=["instance_forward", "class_method", "shadowing_method", "held_callable", "code", "partial", "optimizer_step"],
+)
+def test_code_replaced_between_calls_compiles_again(fake_mesh, patch, said):
+    """The graph is the code the trace ran: a method, forward, held callable, function body, partial or
+    optimizer step replaced after it compiled ran the old code on every later call, silently (measured
+    on 2 gloo ranks: parameters 0.02-0.2 away from one device's)."""
+    saved = (_Patchable.act, _doubled.__code__, dict(SCALED.keywords))
+    try:
+        torch.manual_seed(0)
+        model = _Patchable()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(cases.mse_step)
+        x = torch.randn(4, 8)
+        step(model, optimizer, x)
+        step(model, optimizer, x)
+        assert sum(len(v) for v in step.cache.values()) == 1
+        patch(model, optimizer)
+        with pytest.warns(UserWarning, match="the code the step runs is not the code it was traced with: ") as caught:
+            step(model, optimizer, x)
+        assert sum(len(v) for v in step.cache.values()) == 2
+        assert any(said in str(w.message) for w in caught), [str(w.message) for w in caught]
+        step(model, optimizer, x)  # the new code's graph is reused
+        assert sum(len(v) for v in step.cache.values()) == 2
+    finally:
+        _Patchable.act, _doubled.__code__ = saved[0], saved[1]
+        SCALED.keywords.clear()
+        SCALED.keywords.update(saved[2])
