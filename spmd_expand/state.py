@@ -221,7 +221,8 @@ def _distribute_loaded_tensors(module: nn.Module, state_dict: dict, prefix: str,
     caller's dict; the caller's tensors are not written (the broadcast goes to a copy)."""
     loaded = [
         (fqn, param, value)
-        for fqn, param in module.named_parameters()
+        # Every name of a shared parameter (a tied head): the state dict holds each one.
+        for fqn, param in module.named_parameters(remove_duplicate=False)
         if isinstance(param, DTensor)
         and type(value := state_dict.get(prefix + fqn)) is torch.Tensor
         and value.shape == param.shape

@@ -1822,7 +1822,8 @@ def _trace_failure_hint(kind: str, message: str, data_dependent: bool, library: 
             f"cannot know it before running, as for F.ctc_loss), so it cannot be part of a traced graph; keep "
             f"that op out of the compiled step"
         )
-    symbol = re.search(r"\bs\d+\b", message)
+    # A shape symbol (`s53` in "size of tensor a (s53)"), not a path component such as /runs/s52/.
+    symbol = re.search(r"(?<![\w/\\.])s\d+(?![\w/\\.])", message)
     if symbol:
         return (
             f"a size of the global batch (a batch tensor's plan batch dim, traced as the symbol {symbol.group()}) "

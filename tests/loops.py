@@ -648,6 +648,28 @@ def load_full_state_dict(i, pair):
     assert all(type(v) is torch.Tensor and torch.equal(v, kept[k]) for k, v in checkpoint.items())
 
 
+class TiedSquare(nn.Module):
+    """Two square layers sharing one weight (``fc2.weight = fc1.weight``: a tied embedding and head's
+    layout), whose state dict names the shared tensor twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.out = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.fc2.weight = self.fc1.weight
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+def load_tied_state_dict(i, pair):
+    """:func:`load_full_state_dict` for :class:`TiedSquare`: both names of the shared weight are loaded
+    (``best.pt`` of a one-device run of a GPT with a tied head)."""
+    if i != 2:
+        return
+    torch.manual_seed(5)
+    pair["model"].load_state_dict(TiedSquare().state_dict())
+
+
 LOSS_SCALE = 1.0  # a global the step reads
 
 
@@ -1066,6 +1088,8 @@ SCENARIOS: dict[str, dict] = {
     "data_assigned_then_written": dict(step=data_assigned_then_written_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1)),
     "sam_sgd_momentum": dict(step=sam_step, optimizer_fn=lambda ps: SAM(ps, torch.optim.SGD, lr=0.1, momentum=0.9)),
     "flat_vector_then_step": dict(step=flat_vector_then_step),
+    # A plain checkpoint loaded after the parameters became DTensors, the shared weight named twice.
+    "load_full_state_dict_tied": dict(model_fn=TiedSquare, between=load_tied_state_dict),
     "grad_data_clamp": dict(step=grad_data_clamp_step),
     "flat_vector_update": dict(step=flat_vector_step, optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.1)),
     "ema_codebook_in_forward": dict(model_fn=EmaCodebook),

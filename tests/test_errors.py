@@ -868,3 +868,14 @@ def test_calling_the_converted_model_outside_a_step_names_the_fix(fake_mesh):
     x = DTensor.from_local(torch.randn(2, 16), fake_mesh, [Replicate()])
     assert isinstance(model(x), DTensor)
     compiled(model, sgd(model), torch.randn(8, 16), torch.randn(8, 16))  # the hook does not stop the step
+
+
+def test_a_path_component_like_a_size_symbol_gets_no_batch_dim_hint():
+    """The hint for a size mismatch looks for a shape symbol (``s53``); a directory named like one
+    (``/runs/s52/``) in the message gave the batch_dim fix to an unrelated error."""
+    from spmd_expand.trace import _trace_failure_hint
+
+    unrelated = _trace_failure_hint("AttributeError", "File /home/u/runs/s52/model.py: 'FakeTensor' object has no attribute 'x'", False, "")
+    assert "batch_dim" not in unrelated, unrelated
+    mismatch = _trace_failure_hint("RuntimeError", "The size of tensor a (s53) must match the size of tensor b (4)", False, "")
+    assert "traced as the symbol s53" in mismatch and "batch_dim" in mismatch, mismatch
