@@ -34,6 +34,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import rng
+from .errors import PlacementError, first_line, node_error
 from .dsymint import DSymInt, local_strides
 from .ops import GRADIENT, LAYOUT, SEQUENCE_FIRST, UNSHARD
 from .rules import NCHW_SCALAR_ARGS, SIZE_ARG
@@ -248,6 +249,33 @@ def _masks(spec: DTensorSpec) -> list:
     return [p for p in spec.placements if isinstance(p, _MaskPartial)]
 
 
+def _redistribute_error(error: Exception, at: fx.Node, node: fx.Node, src: DTensorSpec, dst: DTensorSpec) -> PlacementError:
+    """A :class:`PlacementError` for a redistribution DTensor cannot make (its planning raised), naming
+    the value, both placements, the user's line and what usually leads there."""
+    strided = any(isinstance(p, _StridedShard) for p in (*src.placements, *dst.placements))
+    if strided:
+        fix = (
+            "a _StridedShard comes from flattening or reshaping a tensor sharded on a dim that is not the "
+            "first (a sequence-parallel activation of shape (batch, seq, hidden) entering a Linear); DTensor "
+            "redistributes an uneven one only from values: make that dim's size divisible by the mesh dim's "
+            "size (the sequence length by the tensor-parallel degree)"
+        )
+    elif any(p.is_shard() for p in src.placements) and any(p.is_partial() for p in dst.placements):
+        fix = (
+            "a sharded value is added to a partial one (e.g. a gradient reduce-scattered inside backward, "
+            "under FSDP's mixed precision, added to one accumulated without gradient sync, which is still "
+            "partial): run the accumulating calls with gradient sync on, or without mp_policy"
+        )
+    else:
+        fix = "choose placements for this value (the plan, or a `layout` at the module boundary) that DTensor can redistribute"
+    return node_error(
+        PlacementError, at,
+        f"DTensor cannot redistribute {node.name} of shape {list(src.tensor_meta.shape)} from {src.placements} to "
+        f"{dst.placements}: {type(error).__name__}: {first_line(error)}",
+        placements=[src.placements, dst.placements], fix=fix,
+    )
+
+
 class RedistributeCache:
     """Traced redistribution subgraphs keyed by (src placements, dst placements, shape, dtype, mesh).
 
@@ -379,7 +407,10 @@ class _Expander:
         if key not in self.redistributed or not reuse:
             mask = self.mask_of.get(node) if _masks(src) else None
             mask_shape = list(mask.meta["val"].shape) if mask is not None else None
-            sub = self.cache.get(src, dst, mask_shape)
+            try:
+                sub = self.cache.get(src, dst, mask_shape)
+            except Exception as e:  # noqa: BLE001 - DTensor's redistribute planning refused this pair
+                raise _redistribute_error(e, consumer if consumer is not None else node, node, src, dst) from e
             meta = {"spmd_redistribute": (src.placements, dst.placements), "stack_trace": node.meta.get("stack_trace")}
             if consumer is not None and "custom" in consumer.meta:
                 meta["custom"] = consumer.meta["custom"]

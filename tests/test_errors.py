@@ -879,3 +879,67 @@ def test_a_path_component_like_a_size_symbol_gets_no_batch_dim_hint():
     assert "batch_dim" not in unrelated, unrelated
     mismatch = _trace_failure_hint("RuntimeError", "The size of tensor a (s53) must match the size of tensor b (4)", False, "")
     assert "traced as the symbol s53" in mismatch and "batch_dim" in mismatch, mismatch
+
+
+class _SequenceParallelNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.norm = nn.Embedding(11, 8), nn.LayerNorm(8)
+        self.fc1, self.fc2, self.head = nn.Linear(8, 12), nn.Linear(12, 8), nn.Linear(8, 11)
+
+    def forward(self, idx):
+        return self.head(self.norm(self.fc2(nn.functional.relu(self.fc1(self.emb(idx))))))
+
+
+def _next_token_step(model, optimizer, idx, targets):
+    loss = nn.functional.cross_entropy(model(idx).flatten(0, 1), targets.flatten())
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def test_an_uneven_sequence_parallel_split_names_the_redistribution_and_the_fix(fake_mesh):
+    """Sequence parallelism over 4 ranks with a sequence of 5 tokens: the Linears' flatten of the
+    sequence-sharded activation makes a _StridedShard that DTensor redistributes unevenly only from
+    values; the PlacementError names it (was fake tensor's DataDependentOutputException)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    plan = spmd.TensorParallel({
+        "emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "fc1": ColwiseParallel(input_layouts=Shard(1)), "fc2": RowwiseParallel(output_layouts=Shard(1)),
+        "norm": SequenceParallel(), "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    torch.manual_seed(0)
+    model = _SequenceParallelNet()
+    step = spmd.compile(mesh=fake_mesh, plan=plan, lower="eager")(_next_token_step)
+    idx = torch.randint(0, 11, (2, 5))
+    with pytest.raises(spmd.PlacementError, match=r"DTensor cannot redistribute \w+ of shape .* from \(_StridedShard") as info:
+        step(model, sgd(model), idx, idx)
+    assert "sequence length by the tensor-parallel degree" in str(info.value) and "test_errors.py" in str(info.value)
+
+
+def _accumulate(model, optimizer, x):
+    loss = model(x).square().mean()
+    loss.backward()
+    return loss
+
+
+def test_fsdp_mixed_precision_gradient_added_to_an_unsynced_one_names_the_fix(fake_mesh):
+    """FSDP with a mixed-precision policy reduce-scatters a gradient inside backward; added to a gradient
+    accumulated under no_sync (still partial), DTensor has no Shard -> Partial redistribution: a
+    PlacementError naming the fix (was DTensor's RuntimeError)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 3))
+    optimizer = sgd(model)
+    plan = spmd.FSDP(mp_policy=MixedPrecisionPolicy(param_dtype=torch.float64))
+    accumulate = spmd.compile(mesh=fake_mesh, plan=plan, lower="eager")(_accumulate)
+    update = spmd.compile(mesh=fake_mesh, plan=plan, lower="eager")(mse_step)
+    x = torch.randn(4, 8)
+    with accumulate.no_sync():
+        accumulate(model, optimizer, x)
+    with pytest.raises(spmd.PlacementError, match=r"from \(Shard\(dim=0\),\) to \(Partial\(sum\),\)") as info:
+        update(model, optimizer, x)
+    assert "with gradient sync on, or without mp_policy" in str(info.value)
