@@ -57,7 +57,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import ops
 from .state import REPLACED_PARAMETERS, broadcast_materialized_state, distribute_state
 from .boundaries import encode_placement, mark_boundaries, mark_sequence_first
-from .errors import BatchError, PlanError, SpmdError
+from .errors import BatchError, PlanError, SpmdError, user_source_line
 from .expand import RedistributeCache
 from .forms import EqualForms
 from .guards import not_dense_problem
@@ -554,9 +554,9 @@ def _is_from_local(node: fx.Node) -> bool:
 
 
 def _source_line(node: fx.Node) -> str:
-    trace = node.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
-    return f" (at {lines[-2]}: {lines[-1]})" if len(lines) >= 2 else ""
+    """`` (at File "...", line N, in fn: code)``: the innermost frame of the user's code in the node's
+    stack trace (not torch's or spmd_expand's own); empty without a stack trace."""
+    return f" (at {user_source_line(node)})" if node.meta.get("stack_trace") else ""
 
 
 class _GlobalView(fx.Interpreter):
@@ -690,7 +690,31 @@ class _GraphCompiler:
         return outputs
 
     # ------------------------------------------------------------------ compile
+    def _refuse_dtensor_code_in_subgraphs(self) -> None:
+        """A higher-order op's body (``torch.utils.checkpoint``'s ``tag_activation_checkpoint``) runs
+        through the op's own interpreter, where :class:`_GlobalView` cannot turn its DTensor calls
+        (a sharded parameter's ``redistribute`` to its compute placements, a module boundary's) into
+        the single-device program: refused, naming the op and the fix, instead of failing inside it."""
+        for node in self.gm.graph.nodes:
+            if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+                continue
+            for arg in node.args:
+                body = getattr(self.gm, arg.target, None) if isinstance(arg, fx.Node) and arg.op == "get_attr" else None
+                if not isinstance(body, fx.GraphModule):
+                    continue
+                calls = [n for n in body.graph.nodes if (n.op == "call_method" and n.target in ("redistribute", "to_local"))
+                         or (n.op == "call_function" and n.target is DTensor.from_local)]
+                if calls:
+                    raise SpmdError(
+                        f"torch.compile(backend=\"spmd\"): {node.target.__name__}{_source_line(node)} wraps code that "
+                        f"reads parameters in other placements than they are stored in ({calls[0].target} in its "
+                        f"body); a region under torch.utils.checkpoint is compiled here only where it does not "
+                        f"(a DDP plan)\n  fix: compile the whole step with spmd.compile, which takes activation "
+                        f"checkpointing under every plan, or leave torch.utils.checkpoint out of the compiled model"
+                    )
+
     def compile(self) -> Callable:
+        self._refuse_dtensor_code_in_subgraphs()
         outputs = self._outputs()
         slots = self._slots()
         diff_outputs = [i for i, o in enumerate(outputs) if o.differentiable]

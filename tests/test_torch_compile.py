@@ -299,3 +299,28 @@ def test_a_recurrent_module_without_allow_rnn_is_refused_before_conversion(fake_
         torch._dynamo.config.allow_rnn = allow_rnn
     assert "allow_rnn = True before spmd.parallelize" in str(info.value) and "spmd.compile" in str(info.value)
     assert not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def block(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+def test_activation_checkpointing_of_sharded_parameters_is_refused_with_the_fix(fake_mesh):
+    """Under FSDP the checkpointed region reads its parameters gathered (a ``redistribute`` inside the
+    higher-order op's body, which runs outside the backend's interpreter): an SpmdError naming the
+    op, the user's line and spmd.compile (was a TraceError inside torch's wrap op blaming the batch dim)."""
+    torch._dynamo.reset()
+    plan = spmd.FSDP()
+    model = spmd.parallelize(_Checkpointed(), fake_mesh, plan)
+    compiled = torch.compile(model, backend="spmd", options={"mesh": fake_mesh, "plan": plan, "lower": "eager"})
+    error = _backend_error(lambda x: compiled(x).sum().backward(), torch.randn(4, 8))
+    assert "tag_activation_checkpoint (at File" in str(error) and "test_torch_compile.py" in str(error), str(error)
+    assert "compile the whole step with spmd.compile" in str(error) and "batch_dim" not in str(error), str(error)
