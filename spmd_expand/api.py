@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from . import optimizer_state
-from .errors import PassError, PlacementError, SpmdError, TraceError, UnsupportedOpError, first_line
+from .errors import PassError, PlacementError, SpmdError, TraceError, UnsupportedOpError, first_line, user_source_line
 from .expand import RedistributeCache
 from .guards import (
     CallState, ObjectIds, PendingCheck, Snapshot, batch_problems, cache_key, check_batch, initialize_optimizer_state, is_dense,
@@ -322,7 +322,7 @@ class CompiledStep:
             # state and the compiled graph's caches made here must stay ordinary tensors (an inference
             # tensor can never be used by autograd or updated in place again), so the step runs outside
             # it; the batch, inference tensors or not, is only read.
-            with torch.inference_mode(False):
+            with torch.inference_mode(False), torch.no_grad():  # gradients stay off, as the caller has them
                 return self(*args, **kwargs)
         try:
             return self._call(args, kwargs)
@@ -362,6 +362,7 @@ class CompiledStep:
         raise AssertionError("unreachable: with no float inputs a compilation raises its own error")
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
+        grad_enabled = torch.is_grad_enabled()
         leaves, structure = pytree.tree_flatten((args, kwargs))
         model = unwrapped(_find(leaves, nn.Module, "modules", at_most_one=False))
         optimizer = _find(leaves, torch.optim.Optimizer, "optimizers", at_most_one=True)
@@ -406,6 +407,7 @@ class CompiledStep:
         with torch.no_grad():
             if bound is not None:
                 artifacts, locals_, values = bound
+                _refuse_gradients_without_grad_mode(artifacts, grad_enabled)
                 self.last = artifacts
                 outputs = _run_checked(
                     artifacts.runner, [*locals_, *values],
@@ -413,7 +415,7 @@ class CompiledStep:
                 )
                 result = self._write_back(artifacts.traced, outputs, model, optimizer, values)
             else:
-                result = self._run(args, kwargs, model, optimizer, batch_leaves, constants, hyperparameters, values, selection)
+                result = self._run(args, kwargs, model, optimizer, batch_leaves, constants, hyperparameters, values, selection, grad_enabled)
             for i in self.last.traced.mutated_batch_leaves:
                 if batch_leaves[i] is not given[i]:
                     given[i].copy_(batch_leaves[i])  # the step wrote the contiguous copy in place
@@ -505,7 +507,7 @@ class CompiledStep:
         )
         return _Selection(taken, roles, specs, placements, locals_, tensor_constants, compiled, artifacts, structure)
 
-    def _run(self, args, kwargs, model, optimizer, batch_leaves, constants, hyperparameters, values, selection: _Selection) -> Any:
+    def _run(self, args, kwargs, model, optimizer, batch_leaves, constants, hyperparameters, values, selection: _Selection, grad_enabled: bool = True) -> Any:
         """A full-path call: compile the selected state's graph if none holds (:meth:`_select`), bind
         this call for the next ones, run."""
         sel = selection
@@ -569,6 +571,7 @@ class CompiledStep:
                     raise _FloatInputsFailed(e, float_args) from e
                 raise
             sel.compiled.append(artifacts)
+        _refuse_gradients_without_grad_mode(artifacts, grad_enabled)
         self.last = artifacts
         self._bind(
             model, optimizer, sel.snapshot, sel.roles, sel.placements, sel.specs, sel.locals_, batch_leaves, constants,
@@ -670,6 +673,25 @@ class CompiledStep:
         for assign in traced.python_writes:
             assign(values)
         return pytree.tree_unflatten(_fill(returns, traced.return_is_tensor), traced.return_spec)
+
+
+def _refuse_gradients_without_grad_mode(artifacts: StepArtifacts, grad_enabled: bool) -> None:
+    """A step that computes gradients, called with gradient computation off (under ``torch.no_grad()``
+    or ``torch.inference_mode()``): one device's ``loss.backward()`` raises there (the loss has no
+    ``grad_fn``); the graph, traced with gradients on, would train. Refused before it runs.
+
+    Raises:
+        TraceError: naming the backward call's line and the fix.
+    """
+    node = artifacts.traced.first_backward_node if not grad_enabled else None
+    if node is not None:
+        raise TraceError(
+            f"the step computes gradients (at {user_source_line(node)}) but is called with gradient computation "
+            f"off (under torch.no_grad() or torch.inference_mode()), where one device's backward raises (the "
+            f"loss has no grad_fn) and nothing would train\n"
+            f"  fix: call the training step outside torch.no_grad(); an evaluation step leaves out backward "
+            f"and the optimizer"
+        )
 
 
 def _run_checked(runner: Callable[..., list], inputs: list, start: Callable[[Optional[int]], Optional[PendingCheck]]) -> list:

@@ -357,6 +357,12 @@ class TracedStep:
     python_writes: list[Callable[[Sequence[float]], None]] = field(default_factory=list)
 
     @functools.cached_property
+    def first_backward_node(self) -> Optional[fx.Node]:
+        """The first node a ``backward()`` / ``torch.autograd.grad`` call of the step made (None: the
+        step computes no gradients, e.g. an evaluation step)."""
+        return next((n for n in self.graph_module.graph.nodes if backward_index(n) is not None), None)
+
+    @functools.cached_property
     def mutated_batch_leaves(self) -> frozenset[int]:
         """Positions among the step's tensor arguments (``InputRole.key`` of a batch input) of the
         batch tensors the step writes in place (``x.mul_(2)``): an ``aten.copy_`` into their placeholder."""

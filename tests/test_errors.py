@@ -943,3 +943,23 @@ def test_fsdp_mixed_precision_gradient_added_to_an_unsynced_one_names_the_fix(fa
     with pytest.raises(spmd.PlacementError, match=r"from \(Shard\(dim=0\),\) to \(Partial\(sum\),\)") as info:
         update(model, optimizer, x)
     assert "with gradient sync on, or without mp_policy" in str(info.value)
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_a_training_step_called_with_gradients_off_is_refused(fake_mesh, context):
+    """One device's loss.backward() raises under no_grad (the loss has no grad_fn); the compiled graph,
+    traced with gradients on, trained silently. Refused before it runs, on a new graph and on the fast
+    path alike; the parameters are untouched."""
+    model = MLP()
+    optimizer = sgd(model)
+    step = ddp(fake_mesh)
+    x = torch.randn(4, 16)
+    for _ in range(2):  # the first call compiles; the second reuses the graph
+        with context():
+            with pytest.raises(spmd.TraceError, match=r"computes gradients \(at File .*\) but is called with gradient computation off"):
+                step(model, optimizer, x)
+    step(model, optimizer, x)  # with gradients on it trains
+    before = [p.detach().to_local().clone() for p in model.parameters()]
+    with torch.no_grad(), pytest.raises(spmd.TraceError):
+        step(model, optimizer, x)
+    assert all(torch.equal(p.detach().to_local(), b) for p, b in zip(model.parameters(), before))
