@@ -460,16 +460,21 @@ _NOT_SETTINGS = (
     nn.Module, torch.Tensor, torch.optim.Optimizer, type, types.ModuleType, types.FunctionType, types.MethodType,
     types.BuiltinFunctionType, functools.partial, weakref.ref,
 )
+# torch's objects a step reads numbers from: a learning-rate schedule (`scheduler.last_epoch`,
+# `scheduler.get_last_lr()[0]` as a scale).
+_TORCH_SETTINGS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 _MACHINERY_PACKAGES = frozenset({"torch", "spmd_expand", "logging", "threading", "multiprocessing", "numpy"})
 
 
 def is_settings_object(value: Any) -> bool:
     """An object a step or a forward reads settings from: a HuggingFace config, an
-    ``argparse.Namespace``, a dataclass or ``SimpleNamespace`` of hyperparameters. Not a module,
-    tensor, optimizer, function, class or Python module, and not an object of torch, spmd_expand,
-    ``logging``, threads or numpy."""
+    ``argparse.Namespace``, a dataclass or ``SimpleNamespace`` of hyperparameters, a learning-rate
+    scheduler. Not a module, tensor, optimizer, function, class or Python module, and not another
+    object of torch, spmd_expand, ``logging``, threads or numpy."""
     if isinstance(value, _NOT_SETTINGS) or is_scalar(value):
         return False
+    if isinstance(value, _TORCH_SETTINGS):
+        return True
     cls = type(value)
     if (cls.__module__ or "").split(".")[0] in _MACHINERY_PACKAGES:
         return False

@@ -1235,3 +1235,37 @@ def test_code_replaced_between_calls_compiles_again(fake_mesh, patch, said):
         _Patchable.act, _doubled.__code__ = saved[0], saved[1]
         SCALED.keywords.clear()
         SCALED.keywords.update(saved[2])
+
+
+_SCHEDULED: dict = {}
+
+
+def _scheduled_scale_step(model, optimizer, x):
+    """Reads a number off an LR scheduler a global holds (a loss weight following the schedule)."""
+    loss = model(x).square().mean() * (_SCHEDULED["scheduler"].get_last_lr()[0] * 10)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_a_number_read_off_an_lr_scheduler_is_guarded(fake_mesh):
+    """torch's LR schedulers are read like settings objects: their scalar attributes the step reads
+    (``get_last_lr()`` returns ``_last_lr``) are guarded. They were baked in silently (stale-graph hunt:
+    the second call's loss 0.2001 where one device had 0.1423)."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _SCHEDULED["scheduler"] = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    try:
+        step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(_scheduled_scale_step)
+        x = torch.randn(4, 8)
+        step(model, optimizer, x)
+        step(model, optimizer, x)
+        assert sum(len(v) for v in step.cache.values()) == 1
+        _SCHEDULED["scheduler"].step()
+        with pytest.warns(UserWarning, match=r"_last_lr .*== \[0\.1\] \(now \[0\.05\]\)"):
+            step(model, optimizer, x)
+        assert sum(len(v) for v in step.cache.values()) == 2
+    finally:
+        _SCHEDULED.clear()
