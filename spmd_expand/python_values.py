@@ -179,18 +179,34 @@ class GlobalState:
     """torch's global state a trace ran under (autocast per device type and its dtype, default dtype,
     deterministic algorithms, TF32/reduced-precision matmul flags, intra-op threads): torch's own
     ``torch._C._dynamo.guards.GlobalStateGuard``, the check behind Dynamo's global-state guard. Grad
-    mode is taken as off on both sides (the compiled step sets it itself)."""
+    mode is taken as off on both sides (the compiled step sets it itself). Also the torch function and
+    dispatch modes and the saved-tensor hooks active around the call (:func:`_active_modes`)."""
 
     def __init__(self) -> None:
         with torch.no_grad():
             self._guard = torch._C._dynamo.guards.GlobalStateGuard()
+        self._modes = _active_modes()
 
     def reason(self) -> Optional[str]:
         """None when the current state is the traced one, else what differs (torch's words)."""
         with torch.no_grad():
             if self._guard.check():
-                return None
+                # The trace ran the step through the modes and hooks around it.
+                return None if _active_modes() == self._modes else "function modes, dispatch modes or saved-tensor hooks"
             return self._guard.reason().strip() or "global state"
+
+
+def _active_modes() -> tuple:
+    """The ``TorchFunctionMode``s and ``TorchDispatchMode``s on torch's stacks and the innermost
+    ``saved_tensors_hooks`` now, by identity (Dynamo guards its function-mode stack the same way)."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return (
+        tuple(_get_current_function_mode_stack()),
+        tuple(_get_current_dispatch_mode_stack()),
+        torch._C._autograd._top_saved_tensors_default_hooks(True),
+    )
 
 
 class CodeIdentity:
@@ -330,8 +346,9 @@ class PythonGuards:
             if changed is not None:
                 return (
                     f"torch's global state differs from the one the step was traced under ({changed}: "
-                    f"torch.autocast, the default dtype, deterministic algorithms, matmul precision or the "
-                    f"number of threads); one graph is kept per state"
+                    f"torch.autocast, the default dtype, deterministic algorithms, matmul precision, the "
+                    f"number of threads, or the torch function modes, dispatch modes and saved-tensor hooks "
+                    f"around the call); one graph is kept per state"
                 )
         for v in self.values:
             now = v.read()
