@@ -198,7 +198,13 @@ def distribute_state(
         # parameters, as DDP does at construction.
         for b in model.buffers():
             if not isinstance(b, DTensor) and not b.is_meta:
-                b.copy_(distribute_tensor(b, mesh, replicate(mesh)).to_local())
+                local = distribute_tensor(b, mesh, replicate(mesh)).to_local()
+                # A buffer whose size-1 dims give it other strides than its contiguous form (the
+                # PositionalEncoding of torch's examples: pe.unsqueeze(0).transpose(0, 1)) comes back as
+                # a view of itself; copy_ refuses overlapping memory.
+                if local.untyped_storage().data_ptr() == b.untyped_storage().data_ptr():
+                    local = local.clone()
+                b.copy_(local)
     _make_buffers_contiguous(model)
     _rebind_parameters(model, optimizer, new)
     _refuse_lost_data_assignments(model)

@@ -729,6 +729,7 @@ class _StepMode(TorchFunctionMode):
                     return func(*args, **kwargs)
             finally:
                 self.in_backward = False
+        _refuse_rnn_dropout(func, args)
         decomposed = _decompose_tensor_value(func, args, kwargs)
         if decomposed is not None:
             return decomposed()
@@ -754,6 +755,39 @@ class _StepMode(TorchFunctionMode):
         if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
             return type(value)(self._substitute(v) for v in value)
         return value
+
+
+_RNN_FUNCTIONS = frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu"})
+
+
+def _refuse_rnn_dropout(func: Callable, args: tuple) -> None:
+    """Refuse a multi-layer RNN with dropout between its layers, in train mode.
+
+    The trace records an RNN as torch's decomposition (``torch/_decomp/decompositions.py``,
+    ``_rnn_helper``, which the step's CPU LSTM takes with oneDNN off), and that decomposition applies
+    no dropout between layers (its condition ``num_layers < i - 1`` never holds), where one device's
+    kernel does: the graph would train without it, silently (measured: loss 0.019800 vs 0.019314,
+    outputs 0.057 apart, on one rank too).
+
+    Raises:
+        TraceError: naming the module's call, the user's line and the fix.
+    """
+    # torch.lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first)
+    # (a PackedSequence's variant takes batch_sizes second, and is refused elsewhere).
+    if getattr(func, "__name__", "") not in _RNN_FUNCTIONS or len(args) < 7 or not isinstance(args[3], bool):
+        return
+    num_layers, dropout, train = args[4], args[5], args[6]
+    if train and dropout > 0 and num_layers > 1:
+        frames = [f for f in traceback.extract_stack() if not in_torch_or_spmd_expand(f.filename)]
+        where = f'File "{frames[-1].filename}", line {frames[-1].lineno}: {(frames[-1].line or "").strip()}' if frames else "<unknown source>"
+        raise TraceError(
+            f"the train step at {where} runs a {num_layers}-layer {func.__name__.split('_')[0].upper()} with "
+            f"dropout={dropout} between its layers in train mode: a compiled step records torch's decomposition of "
+            f"the RNN (torch/_decomp/decompositions.py, _rnn_helper), which applies no dropout between layers, "
+            f"where one device's kernel does, so it would train without that dropout\n"
+            f"  fix: stack single-layer RNNs with nn.Dropout between them (nn.LSTM(num_layers=1) per layer, the "
+            f"same parameters and values), or construct the RNN with dropout=0.0"
+        )
 
 
 def _assigns_data(func: Callable) -> bool:
@@ -1778,6 +1812,13 @@ def _trace_failure_hint(kind: str, message: str, data_dependent: bool, library: 
             "advance: the graph would keep a private copy of its state and draw the same numbers on every "
             "call; draw from the default generator (leave out generator=) and seed it alike on every rank "
             "with torch.manual_seed"
+        )
+    if data_dependent and "_detect_is_causal_mask" in library:
+        # torch's examples pass generate_square_subsequent_mask(...) without is_causal.
+        return (
+            "nn.TransformerEncoder (or nn.Transformer) looks at the values of the mask it is given to find out "
+            "whether it is causal; say so instead: pass is_causal=True along with the mask "
+            "(nn.Transformer.generate_square_subsequent_mask(T)), and it reads no values"
         )
     if data_dependent and "grad_scaler.py" in library:
         return (

@@ -956,3 +956,68 @@ def test_a_training_step_called_with_gradients_off_is_refused(fake_mesh, context
     with torch.no_grad(), pytest.raises(spmd.TraceError):
         step(model, optimizer, x)
     assert all(torch.equal(p.detach().to_local(), b) for p, b in zip(model.parameters(), before))
+
+
+class _StackedLSTM(nn.Module):
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.rnn, self.out = nn.LSTM(8, 8, num_layers=2, dropout=dropout, batch_first=True), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.out(self.rnn(x)[0][:, -1])
+
+
+def test_dropout_between_rnn_layers_in_train_mode_is_refused(fake_mesh):
+    """torch's RNN decomposition (which the trace records) applies no dropout between layers, where
+    one device's kernel does: trained silently without it (hunt on torch's word_language_model:
+    losses 0.0055-0.039 off). Refused in train mode with the fix; in eval mode, or without dropout,
+    it compiles."""
+    x = torch.randn(4, 5, 8)
+    model = _StackedLSTM(dropout=0.5)
+    with pytest.raises(spmd.TraceError, match=r"runs a 2-layer LSTM with dropout=0.5 between its layers in train mode") as info:
+        ddp(fake_mesh)(model, sgd(model), x)
+    assert "test_errors.py" in str(info.value) and "nn.LSTM(num_layers=1) per layer" in str(info.value)
+    model.eval()
+    ddp(fake_mesh)(model, sgd(model), x)
+    model = _StackedLSTM(dropout=0.0)
+    ddp(fake_mesh)(model, sgd(model), x)
+
+
+class _PositionalEncoding(nn.Module):
+    """torch's word_language_model: ``pe.unsqueeze(0).transpose(0, 1)``, a buffer of shape
+    (max_len, 1, d) whose strides are not its contiguous form's (it counts as contiguous)."""
+
+    def __init__(self, d: int = 8, max_len: int = 16):
+        super().__init__()
+        pe = torch.arange(max_len * d, dtype=torch.float32).view(max_len, d) / 100
+        self.register_buffer("pe", pe.unsqueeze(0).transpose(0, 1))
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):  # (seq, batch, d)
+        return self.fc(x + self.pe[: x.size(0)])
+
+
+def test_a_buffer_with_size_one_strides_is_distributed(fake_mesh):
+    """Broadcasting the buffer on the first call gave back a view of itself, and copy_ refused the
+    overlap with a raw RuntimeError (hunt on torch's examples); its values stay as they were."""
+    model = _PositionalEncoding()
+    expected = model.pe.clone()
+    spmd.compile(mesh=fake_mesh, plan=spmd.DDP(batch_dim=1), lower="eager")(mse_step)(model, sgd(model), torch.randn(5, 4, 8))
+    assert torch.equal(model.pe, expected)
+
+
+def test_a_causal_mask_passed_without_is_causal_names_is_causal(fake_mesh):
+    """torch's word_language_model passes generate_square_subsequent_mask without is_causal; the encoder
+    then reads the mask's values to detect causality: the fix names is_causal=True."""
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+    mask = nn.Transformer.generate_square_subsequent_mask(5)
+
+    def step(model, optimizer, x):
+        loss = model(x, mask=mask).square().mean()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    with pytest.raises(spmd.TraceError, match="pass is_causal=True along with the mask"):
+        ddp(fake_mesh, step)(model, sgd(model), torch.randn(4, 5, 8))
