@@ -458,7 +458,7 @@ class CompiledStep:
             return None
         return binding.artifacts, locals_, values
 
-    def _bind(self, model, optimizer, taken: Snapshot, roles, placements, specs, locals_, batch_leaves, constants, hyperparameters, artifacts, tensor_constants, structure=None) -> None:
+    def _bind(self, model, optimizer, taken: Snapshot, roles, placements, specs, locals_, batch_leaves, constants, hyperparameters, artifacts, tensor_constants, structure) -> None:
         params = dict(model.named_parameters())
         by_label = {c.label: c for c in tensor_constants}
         template: list = []

@@ -63,7 +63,7 @@ from .forms import EqualForms
 from .guards import not_dense_problem
 from .lower import LOWERINGS, lower as lower_graph
 from .passes import resolve_passes
-from .pipeline import JointArtifacts, cyclic_gc_paused, describe_compilation, expand_joint, log
+from .pipeline import JointArtifacts, cyclic_gc_paused, describe_compilation, expand_joint, log, stage_seconds
 from .plans import Plan, ResolvedPlan, TensorParallel, _DataParallel, resolve_plan
 from .spec import replicate
 from .trace import InputRole, TensorSpec, TracedStep
@@ -789,10 +789,7 @@ class _GraphCompiler:
             num_tangents=len(diff_outputs) if joint else 0,
             num_forward_outputs=len(outputs),
         )
-        log.info(
-            "expanded %s in %.1f s (%s s)", what, time.perf_counter() - began,
-            ", ".join(f"{name} {seconds:.2f}" for name, seconds in artifacts.step.seconds.items()),
-        )
+        log.info("expanded %s in %.1f s (%s s)", what, time.perf_counter() - began, stage_seconds(artifacts.step.seconds))
         return _Runtime.build(self, artifacts, slots, outputs, diff_outputs, grad_inputs)
 
 

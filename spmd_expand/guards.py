@@ -603,14 +603,13 @@ def _verdict(gathered, group, leaves, plan, mesh, call, shapes, problems, consta
     same_shapes = all(r[0] == reports[0][0] for r in reports)
     only_layouts = same_shapes and all(p.startswith(_LAYOUT_PROBLEM) for r in reports for p in r[1])
     only_grads = same_shapes and all(p.startswith(_GRAD_PROBLEM) for r in reports for p in r[1])
-    only_layouts = only_layouts or only_grads
     raise BatchError(
         ("the step's batch tensors require grad:\n" if only_grads else
          "the step's batch tensors cannot be placed:\n" if only_layouts else
          "the ranks' local batches do not form a global batch this plan can split evenly:\n")
         + "\n".join(lines)
         + (
-            "" if only_layouts else
+            "" if only_layouts or only_grads else
             "\n  fix: give every data-parallel rank the same number of rows (drop or pad the last, uneven "
             "batch, e.g. DataLoader(drop_last=True) with a DistributedSampler), and tensor-parallel ranks "
             "the same batch"

@@ -67,6 +67,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from . import optimizer_state
 from .errors import in_torch_or_spmd_expand
@@ -199,9 +201,6 @@ class GlobalState:
 def _active_modes() -> tuple:
     """The ``TorchFunctionMode``s and ``TorchDispatchMode``s on torch's stacks and the innermost
     ``saved_tensors_hooks`` now, by identity (Dynamo guards its function-mode stack the same way)."""
-    from torch.overrides import _get_current_function_mode_stack
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
     return (
         tuple(_get_current_function_mode_stack()),
         tuple(_get_current_dispatch_mode_stack()),
@@ -240,8 +239,8 @@ class CodeIdentity:
     def bind(self, model: nn.Module) -> None:
         """Record the model's modules as they are once the trace-time swaps are undone."""
         self.modules = list(model.named_modules())
-        self.sizes = [len(vars(m)) for _, m in self.modules]
         self.keys = [frozenset(vars(m)) for _, m in self.modules]
+        self.sizes = list(map(len, self.keys))  # compared on every call: cheaper than the names
         self.held = [
             (fqn, m, name, value)
             for fqn, m in self.modules
@@ -255,7 +254,7 @@ class CodeIdentity:
             if fn.__code__ is not code:
                 return f"the code of function {fn.__qualname__} was replaced (its __code__)"
         for partial, state in self.partials:
-            if not _same_partial(_partial_state(partial), state):
+            if not _same_contents(_partial_state(partial), state):
                 return f"the functools.partial of {getattr(partial.func, '__name__', partial.func)} has other arguments"
         for cls, attributes in self.classes:
             now = vars(cls)
@@ -279,16 +278,9 @@ class CodeIdentity:
 
 
 def _partial_state(p: functools.partial) -> tuple:
+    """A partial's function and arguments, compared with :func:`_same_contents` (the function and any
+    tensor argument by identity, numbers by value)."""
     return p.func, tuple(p.args), dict(p.keywords)
-
-
-def _same_partial(a: tuple, b: tuple) -> bool:
-    """Two :func:`_partial_state`: the same function, arguments the same objects or equal scalars."""
-    return (
-        a[0] is b[0]
-        and len(a[1]) == len(b[1]) and all(map(_same, a[1], b[1]))
-        and a[2].keys() == b[2].keys() and all(_same(a[2][k], b[2][k]) for k in a[2])
-    )
 
 
 @dataclass
@@ -1539,27 +1531,29 @@ def _restore(obj: Any, old: Any) -> None:
         attrs.update(old)
 
 
-def _hidden_state(obj: Any) -> Optional[tuple[str, Any]]:
-    """``(kind, state)`` of an object whose state changes below its Python attributes when used: a
-    random number generator that is not the module-level one (``random.Random()``, numpy's
-    ``default_rng()`` Generator, ``RandomState``), or an iterator (a generator, ``itertools.count()``,
-    ``iter(list)``); None for anything else. Two states compare with :func:`_same_hidden_state`."""
+def _hidden_state(obj: Any) -> Optional[tuple[str, Any, Optional[Callable[[Any], None]]]]:
+    """``(kind, state, restore)`` of an object whose state changes below its Python attributes when
+    used: a random number generator that is not the module-level one (``random.Random()``, numpy's
+    ``default_rng()`` Generator, ``RandomState``; ``restore(state)`` puts it back), or an iterator (a
+    generator, ``itertools.count()``, ``iter(list)``; ``restore`` None: it cannot be rewound); None for
+    anything else. Two states compare with :func:`_same_contents`."""
     import random
 
     if isinstance(obj, random.Random) and not isinstance(obj, random.SystemRandom):
-        return "random.Random", obj.getstate()
+        return "random.Random", obj.getstate(), obj.setstate
     numpy = sys.modules.get("numpy")
     if numpy is not None:
-        if isinstance(obj, numpy.random.Generator):
-            return "numpy.random.Generator", obj.bit_generator.state
+        if isinstance(obj, numpy.random.Generator):  # its state is its bit generator's
+            bits = obj.bit_generator
+            return "numpy.random.Generator", bits.state, lambda state: setattr(bits, "state", state)
         if isinstance(obj, numpy.random.RandomState):
-            return "numpy.random.RandomState", obj.get_state(legacy=False)
+            return "numpy.random.RandomState", obj.get_state(legacy=False), obj.set_state
         if isinstance(obj, numpy.random.BitGenerator):
-            return f"numpy.random.{type(obj).__name__}", obj.state
+            return f"numpy.random.{type(obj).__name__}", obj.state, lambda state: setattr(obj, "state", state)
     if isinstance(obj, types.GeneratorType):
         frame = obj.gi_frame
         # Where it is suspended and its locals (`w += 0.5` between two `yield w` at the same place).
-        return "generator", None if frame is None else (frame.f_lasti, dict(frame.f_locals))
+        return "generator", None if frame is None else (frame.f_lasti, dict(frame.f_locals)), None
     # An iterator class of the user's has attributes, watched as a user object's are (replayed).
     if isinstance(obj, collections.abc.Iterator) and not hasattr(obj, "__dict__"):
         # C iterators (itertools.count, a list's iterator) show their position through pickling's
@@ -1568,47 +1562,27 @@ def _hidden_state(obj: Any) -> Optional[tuple[str, Any]]:
         try:
             with warnings.catch_warnings():  # Python 3.12-3.13 deprecate itertools' pickling
                 warnings.simplefilter("ignore", DeprecationWarning)
-                return kind, obj.__reduce__()
+                return kind, obj.__reduce__(), None
         except Exception:  # noqa: BLE001 - any iterator without __reduce__ (itertools from Python 3.14: its repr)
-            return kind, repr(obj)
+            return kind, repr(obj), None
     return None
 
 
-def _same_hidden_state(a: Any, b: Any) -> bool:
-    """Equal states of :func:`_hidden_state`: containers item by item, numbers, strings and arrays by
-    value, any other object by identity (an iterator's list, a generator's local holding a tensor)."""
+def _same_contents(a: Any, b: Any) -> bool:
+    """Equal snapshots of an object's contents (a :func:`_hidden_state`, a partial's arguments):
+    containers item by item, numbers, strings and arrays by value, any other object by identity (an
+    iterator's list, a generator's local or a partial's argument holding a tensor)."""
     if type(a) is not type(b):
         return False
     if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(map(_same_hidden_state, a, b))
+        return len(a) == len(b) and all(map(_same_contents, a, b))
     if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same_hidden_state(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(_same_contents(a[k], b[k]) for k in a)
     if a is None or isinstance(a, (int, float, complex, str, bytes)) or _numpy_type(a, "generic"):
         return bool(a == b)
     if _numpy_type(a, "ndarray"):
         return a.shape == b.shape and bool((a == b).all())
     return a is b
-
-
-def _set_hidden_state(obj: Any, state: Any) -> bool:
-    """Put a random generator back in ``state`` (:func:`_hidden_state`); False for an iterator, which
-    cannot be rewound."""
-    import random
-
-    if isinstance(obj, random.Random):
-        obj.setstate(state)
-        return True
-    numpy = sys.modules.get("numpy")
-    if numpy is not None and isinstance(obj, numpy.random.Generator):
-        obj.bit_generator.state = state
-        return True
-    if numpy is not None and isinstance(obj, numpy.random.RandomState):
-        obj.set_state(state)
-        return True
-    if numpy is not None and isinstance(obj, numpy.random.BitGenerator):
-        obj.state = state
-        return True
-    return False
 
 
 @dataclass(frozen=True)
@@ -1644,8 +1618,8 @@ class StateWatch:
     ) -> None:
         # (description, in a module, in a library module, object, snapshot)
         self._watched: list[tuple[str, bool, bool, Any, Any]] = []
-        # (description, object, kind, state) of the random generators and iterators held there
-        self._hidden: list[tuple[str, Any, str, Any]] = []
+        # (description, object, kind, state, restore) of the random generators and iterators held there
+        self._hidden: list[tuple[str, Any, str, Any, Optional[Callable[[Any], None]]]] = []
         model_modules = {id(m) for m in model.modules()} if model is not None else set()
         seen: set = set(model_modules)  # watched below, as the model's
         assigned: set = set()
@@ -1697,15 +1671,16 @@ class StateWatch:
         """The watched random generators and iterators whose state differs from the snapshot now: the
         step drew from or advanced them."""
         return [
-            HiddenStateUse(label, kind, kind.startswith(("random.", "numpy.random.")))
-            for label, obj, kind, before in self._hidden
-            if not _same_hidden_state(before, _hidden_state(obj)[1])
+            HiddenStateUse(label, kind, restore is not None)
+            for label, obj, kind, before, restore in self._hidden
+            if not _same_contents(before, _hidden_state(obj)[1])
         ]
 
     def rewind(self) -> None:
         """Put every watched random generator back in its state before the trace (iterators cannot be)."""
-        for _, obj, _, before in self._hidden:
-            _set_hidden_state(obj, before)
+        for _, _, _, before, restore in self._hidden:
+            if restore is not None:
+                restore(before)
 
     def changes(self) -> list[StateChange]:
         """What differs from the snapshots now, one :class:`StateChange` per changed object."""

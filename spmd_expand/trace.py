@@ -757,6 +757,13 @@ class _StepMode(TorchFunctionMode):
         return value
 
 
+def _calling_user_line() -> str:
+    """The innermost frame of the current call stack outside torch and spmd_expand, as
+    ``File "...", line N: source`` (while tracing: the step's line that made the call)."""
+    frames = [f for f in traceback.extract_stack() if not in_torch_or_spmd_expand(f.filename)]
+    return f'File "{frames[-1].filename}", line {frames[-1].lineno}: {(frames[-1].line or "").strip()}' if frames else "<unknown source>"
+
+
 _RNN_FUNCTIONS = frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu"})
 
 
@@ -778,8 +785,7 @@ def _refuse_rnn_dropout(func: Callable, args: tuple) -> None:
         return
     num_layers, dropout, train = args[4], args[5], args[6]
     if train and dropout > 0 and num_layers > 1:
-        frames = [f for f in traceback.extract_stack() if not in_torch_or_spmd_expand(f.filename)]
-        where = f'File "{frames[-1].filename}", line {frames[-1].lineno}: {(frames[-1].line or "").strip()}' if frames else "<unknown source>"
+        where = _calling_user_line()
         raise TraceError(
             f"the train step at {where} runs a {num_layers}-layer {func.__name__.split('_')[0].upper()} with "
             f"dropout={dropout} between its layers in train mode: a compiled step records torch's decomposition of "
@@ -818,8 +824,7 @@ def _assign_data(tensor: torch.Tensor, value: Any) -> None:
             if isinstance(value, torch.Tensor)
             else f"a {type(value).__name__}"
         )
-        frames = [f for f in traceback.extract_stack() if not in_torch_or_spmd_expand(f.filename)]
-        where = f'File "{frames[-1].filename}", line {frames[-1].lineno}: {(frames[-1].line or "").strip()}' if frames else "<unknown source>"
+        where = _calling_user_line()
         raise TraceError(
             f"the train step at {where} assigns {shown} to the .data of a {tensor.dtype} tensor of shape "
             f"{list(tensor.shape)} on {tensor.device}: a compiled step keeps the shape, dtype and device of the "
