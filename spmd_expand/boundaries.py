@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Collection, Iterator, Mapping, Optional, Sequence
 
 import torch
+import torch.utils._pytree as pytree
+import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import ops
-from .errors import PlanError, TraceError, node_error
+from .errors import PlanError, TraceError, node_error, user_source_line
 
 __all__ = [
     "BoundaryLayouts", "style_layouts", "mark_boundaries", "encode_placement", "TP_STYLES", "mark_sequence_first",
@@ -265,20 +268,30 @@ def _split_sequence_dims(placements: Sequence[Placement], ndim: int, mesh: Any, 
     ]
 
 
-def _split_sequence_problem(fqn: str, mesh: Any, split: Sequence[int]) -> tuple[str, str]:
-    """(problem, fix) of a sequence-first module whose sequence dim the mesh dims ``split`` split."""
+def _split_sequence_problem(fqn: str, mesh: Any, split: Sequence[int], gathered_by: Optional[fx.Node] = None) -> tuple[str, str]:
+    """(problem, fix) of a sequence-first module whose sequence dim the mesh dims ``split`` split, or,
+    with ``gathered_by``, whose input that node gathered from the batch split across them."""
     names = mesh.mesh_dim_names
     where = ", ".join(repr(names[m]) if names else f"mesh dim {m}" for m in split)
+    if gathered_by is None:
+        how = f"the plan splits that dim across the data-parallel ranks ({where})"
+    else:
+        how = (
+            f"it is computed from the step's batch, split across the data-parallel ranks ({where}) and gathered "
+            f"by {gathered_by.target} ({user_source_line(gathered_by)}), e.g. to slice the split dim"
+        )
     problem = (
-        f"module {fqn!r} (batch_first=False) reads dim 0 of its input as the sequence, and the plan splits that "
-        f"dim across the data-parallel ranks ({where}): the ranks' local batches would be joined into longer "
-        f"sequences, not into more samples, unlike one device over the global batch"
+        f"module {fqn!r} (batch_first=False) reads dim 0 of its input as the sequence, and {how}: "
+        f"the ranks' local batches would be joined into longer sequences, not into more samples, unlike one "
+        f"device over the global batch"
     )
     fix = (
         "pass sequence-first batches with the plan's batch_dim=1 (e.g. spmd.DDP(batch_dim=1), when every batch "
         "tensor of the step has its samples on dim 1), or pass batch-first tensors and transpose them inside the "
         "step or the model (`x.transpose(0, 1)`), or build the module with batch_first=True"
     )
+    if gathered_by is not None:
+        fix += "; if the step gathers the batch on purpose, slice it outside the step (each rank its own samples)"
     return problem, fix
 
 
@@ -330,7 +343,9 @@ def mark_sequence_first(model: nn.Module, mesh: Any = None, data_parallel_dims: 
             h.remove()
 
 
-def refuse_split_sequences(gm: Any, mesh: Any, data_parallel_dims: Sequence[int]) -> None:
+def refuse_split_sequences(
+    gm: Any, mesh: Any, data_parallel_dims: Sequence[int], batch_inputs: Collection[fx.Node] = ()
+) -> None:
     """Refuse a data-parallel split of a sequence-first module's dim 0 (its sequence, not its batch).
 
     torch's DDP never splits a tensor: each rank feeds its own samples, whatever their layout. Here the
@@ -344,10 +359,14 @@ def refuse_split_sequences(gm: Any, mesh: Any, data_parallel_dims: Sequence[int]
         gm: the global graph, after propagation (``node.meta["spmd"]``).
         mesh: the plan's device mesh.
         data_parallel_dims: the mesh dims of the plan's DDP/FSDP styles.
+        batch_inputs: the placeholders of the step's batch tensors. A module input computed from them
+            but not split where they are was gathered on the way (``data[:-1]`` of sequence-first tokens
+            under ``batch_dim=0`` slices the split dim): refused too, as the same join.
 
     Raises:
         PlanError: naming the module, its input's placements, the source line and the fix.
     """
+    splitting = [m for m in data_parallel_dims if mesh.size(m) > 1]
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is not ops.SEQUENCE_FIRST:
             continue
@@ -356,3 +375,41 @@ def refuse_split_sequences(gm: Any, mesh: Any, data_parallel_dims: Sequence[int]
         if split:
             problem, fix = _split_sequence_problem(node.args[1], mesh, split)
             raise node_error(PlanError, node, problem, placements=spec.placements, fix=fix)
+        unsplit = [m for m in splitting if not isinstance(spec.placements[m], (Shard, _StridedShard))]
+        gather = _batch_gathered_before(node.args[0], batch_inputs, unsplit) if unsplit else None
+        if gather is not None:
+            problem, fix = _split_sequence_problem(node.args[1], mesh, unsplit, gathered_by=gather)
+            raise node_error(PlanError, node, problem, placements=spec.placements, fix=fix)
+
+
+def _batch_gathered_before(value: fx.Node, batch_inputs: Collection[fx.Node], mesh_dims: Sequence[int]) -> Optional[fx.Node]:
+    """The node, among ``value`` and its ancestors, that reads a value computed from ``batch_inputs``
+    and split by one of ``mesh_dims`` as unsplit on that mesh dim (DTensor gathers it there, e.g. to
+    slice the split dim); None if there is none."""
+    ancestors, stack = set(), [value]
+    while stack:
+        node = stack.pop()
+        if node not in ancestors:
+            ancestors.add(node)
+            stack.extend(node.all_input_nodes)
+    from_batch = set(batch_inputs)
+    for node in value.graph.nodes:  # topological order: every producer before its readers
+        if node not in ancestors or node in from_batch:
+            continue
+        read = [a for a in node.all_input_nodes if a in from_batch]
+        if not read:
+            continue
+        from_batch.add(node)
+        sharding = node.meta.get("spmd")
+        if sharding is None or not sharding.inputs:
+            continue
+        leaves, _ = pytree.tree_flatten((node.args, node.kwargs))
+        for arg, wanted in zip(leaves, sharding.inputs):
+            produced = arg.meta["spmd"].output if arg in read else None
+            if isinstance(produced, DTensorSpec) and wanted is not None and any(
+                isinstance(produced.placements[m], (Shard, _StridedShard))
+                and not isinstance(wanted.placements[m], (Shard, _StridedShard))
+                for m in mesh_dims
+            ):
+                return node
+    return None

@@ -399,7 +399,9 @@ def expand_step(
             grad_placements=grad_placements,
             compute_placements=lambda fqn: plan.compute_placements(fqn, params[fqn]),
         )
-        refuse_split_sequences(traced.graph_module, mesh, plan.data_parallel_dims)
+        placeholders = [n for n in traced.graph_module.graph.nodes if n.op == "placeholder"]
+        batch_inputs = [n for n, role in zip(placeholders, traced.inputs) if role.kind == "batch"]
+        refuse_split_sequences(traced.graph_module, mesh, plan.data_parallel_dims, batch_inputs)
 
     with clock.stage("expand"):
         local = expand(traced.graph_module, redistribute_cache)

@@ -3,8 +3,9 @@
 The step is traced with ``make_fx`` on fake tensors that have the *global* shapes, then made functional:
 
 1. graph 1, traced with autograd, so ``loss.backward()`` records the backward ops and
-   ``optimizer.step()`` records the update (in-place ops included). Batch dims are symbolic, so sizes
-   the step reads from its batch appear as ``sym_size`` nodes (DSymInt sources for propagation);
+   ``optimizer.step()`` records the update (in-place ops included). Shapes are global and static (a
+   new shape is a new cache entry): a size the step reads from its batch is the global size, a
+   constant of the graph (propagation's DSymInt handles ``sym_size`` nodes where a graph has them);
 2. mutation removed: updated parameters, buffers, optimizer states and gradients become
    ``aten.copy_`` into their placeholders at the end of the graph (what AOTAutograd does for input
    mutations). Where every write is to a whole tensor (the common case: optimizer updates, gradient

@@ -319,6 +319,32 @@ def test_a_data_parallel_split_of_a_sequence_first_input_is_refused(fake_mesh, b
     assert "batch_dim=1" in msg and "x.transpose(0, 1)" in msg and "batch_first=True" in msg, msg
 
 
+def test_a_sequence_first_input_sliced_from_the_batch_dim_is_refused(fake_mesh):
+    """The word-language-model idiom ``inp, targets = data[:-1], data[1:]`` on sequence-first tokens
+    ``(seq + 1, batch)`` with the default batch_dim=0: slicing the split dim gathers the batch, so the
+    LSTM's input is no longer split and the check above saw nothing, while its sequences were the
+    ranks' batches joined end to end (a 2-rank run trained on them, silently, where the user meant
+    more samples). The module's input is computed from the batch and not split where the batch is:
+    refused, naming the slice that gathered it."""
+    model = SequenceFirstTagger(nn.LSTM(16, 16))
+
+    def next_step(model, optimizer, data):
+        inp, targets = data[:-1], data[1:, :, 0].long()
+        loss = nn.functional.cross_entropy(model(inp).flatten(0, 1), targets.flatten() % 4)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    with pytest.raises(spmd.PlanError) as info:
+        ddp(fake_mesh, next_step)(model, sgd(model), torch.randn(6, 4, 16))
+    msg = str(info.value)
+    assert "module 'body' (batch_first=False)" in msg and "gathered by aten.slice.Tensor" in msg, msg
+    assert "inp, targets = data[:-1]" in msg and "batch_dim=1" in msg and "outside the step" in msg, msg
+    # The same step with the plan's batch_dim on the samples' dim compiles.
+    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(batch_dim=1), lower="eager")(next_step)
+    assert torch.isfinite(step(model, sgd(model), torch.randn(6, 4, 16)))
+
+
 def test_sequence_first_inputs_beside_per_sample_targets_name_the_batch_dim(fake_mesh):
     """Sequence-first inputs with one target per sample, batch_dim=0: the targets' split dim is the
     batch, the inputs' the sequence. The batch check or, where the sizes happen to agree,
