@@ -24,11 +24,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from . import optimizer_state
-from .errors import PassError, PlacementError, SpmdError, TraceError, UnsupportedOpError, first_line, user_source_line
+from .errors import BatchError, PassError, PlacementError, SpmdError, TraceError, UnsupportedOpError, first_line, user_source_line
 from .expand import RedistributeCache
 from .guards import (
     CallState, ObjectIds, PendingCheck, Snapshot, batch_problems, cache_key, check_batch, initialize_optimizer_state, is_dense,
-    snapshot, start_check, value_digest,
+    overlapping_batch_leaves, snapshot, start_check, value_digest,
 )
 from .lower import LOWERINGS
 from .passes import resolve_passes
@@ -408,6 +408,7 @@ class CompiledStep:
             if bound is not None:
                 artifacts, locals_, values = bound
                 _refuse_gradients_without_grad_mode(artifacts, grad_enabled)
+                _refuse_writes_to_shared_arguments(artifacts.traced, given, labels, args, kwargs)
                 self.last = artifacts
                 outputs = _run_checked(
                     artifacts.runner, [*locals_, *values],
@@ -415,7 +416,9 @@ class CompiledStep:
                 )
                 result = self._write_back(artifacts.traced, outputs, model, optimizer, values)
             else:
-                result = self._run(args, kwargs, model, optimizer, batch_leaves, constants, hyperparameters, values, selection, grad_enabled)
+                result = self._run(
+                    args, kwargs, model, optimizer, batch_leaves, constants, hyperparameters, values, selection, grad_enabled, given
+                )
             for i in self.last.traced.mutated_batch_leaves:
                 if batch_leaves[i] is not given[i]:
                     given[i].copy_(batch_leaves[i])  # the step wrote the contiguous copy in place
@@ -507,9 +510,13 @@ class CompiledStep:
         )
         return _Selection(taken, roles, specs, placements, locals_, tensor_constants, compiled, artifacts, structure)
 
-    def _run(self, args, kwargs, model, optimizer, batch_leaves, constants, hyperparameters, values, selection: _Selection, grad_enabled: bool = True) -> Any:
+    def _run(
+        self, args, kwargs, model, optimizer, batch_leaves, constants, hyperparameters, values, selection: _Selection,
+        grad_enabled: bool = True, given: Sequence[torch.Tensor] = (),
+    ) -> Any:
         """A full-path call: compile the selected state's graph if none holds (:meth:`_select`), bind
-        this call for the next ones, run."""
+        this call for the next ones, run. ``given``: the tensor arguments as passed (``batch_leaves``
+        may be contiguous copies of them)."""
         sel = selection
         artifacts = sel.artifacts
         if artifacts is None:
@@ -572,6 +579,7 @@ class CompiledStep:
                 raise
             sel.compiled.append(artifacts)
         _refuse_gradients_without_grad_mode(artifacts, grad_enabled)
+        _refuse_writes_to_shared_arguments(artifacts.traced, given, self._labels.get(sel.structure, []), args, kwargs)
         self.last = artifacts
         self._bind(
             model, optimizer, sel.snapshot, sel.roles, sel.placements, sel.specs, sel.locals_, batch_leaves, constants,
@@ -692,6 +700,33 @@ def _refuse_gradients_without_grad_mode(artifacts: StepArtifacts, grad_enabled: 
             f"  fix: call the training step outside torch.no_grad(); an evaluation step leaves out backward "
             f"and the optimizer"
         )
+
+
+def _refuse_writes_to_shared_arguments(traced: Any, given: Sequence[torch.Tensor], labels: Sequence[str], args: tuple, kwargs: dict) -> None:
+    """Raise BatchError where the step writes in place a tensor argument whose memory another one
+    shares (:func:`~spmd_expand.guards.overlapping_batch_leaves`): the graph takes each as an input of
+    its own, so the other would not see the write (one device's would). Read-only steps may share
+    (``step(model, opt, x, x)`` of an autoencoder; a language model's ``data[:, :-1], data[:, 1:]``).
+    Only graphs that write a batch tensor look (rare), before anything runs; every rank passes its
+    tensors from the same code, so all raise alike."""
+    written = traced.mutated_batch_leaves
+    pairs = [(i, j) for i, j in overlapping_batch_leaves(given) if i in written or j in written] if written else []
+    if not pairs:
+        return
+    leaves = pytree.tree_leaves((args, kwargs))
+    tensor_labels = [label for label, x in zip(labels, leaves) if isinstance(x, torch.Tensor)]
+
+    def name(i: int) -> str:
+        return f"{i} ({tensor_labels[i]})" if i < len(tensor_labels) else str(i)
+
+    i, j = pairs[0]
+    writer = i if i in written else j
+    raise BatchError(
+        f"tensor arguments {name(i)} and {name(j)} of the step share memory (one tensor passed twice, or "
+        f"overlapping views of one), and the step writes argument {name(writer)} in place: the compiled graph "
+        f"takes each argument as an input of its own, so the other would not see the write. Nothing ran. Pass "
+        f"a copy (`x, x.clone()`), or write out of place inside the step (`x = x * 2` for `x.mul_(2)`)"
+    )
 
 
 def _run_checked(runner: Callable[..., list], inputs: list, start: Callable[[Optional[int]], Optional[PendingCheck]]) -> list:

@@ -79,7 +79,10 @@ from .rng import GENERATOR_FIX
 from .trace import FloatArgument, FloatConstant, HyperParameter
 from .watch import is_communication_failure
 
-__all__ = ["CallState", "ObjectIds", "PendingCheck", "Snapshot", "batch_problems", "cache_key", "check_batch", "initialize_optimizer_state", "mesh_group", "snapshot", "start_check", "state_summary"]
+__all__ = [
+    "CallState", "ObjectIds", "PendingCheck", "Snapshot", "batch_problems", "cache_key", "check_batch", "initialize_optimizer_state",
+    "mesh_group", "overlapping_batch_leaves", "snapshot", "start_check", "state_summary",
+]
 
 
 class ObjectIds:
@@ -267,6 +270,31 @@ def is_dense(t: torch.Tensor) -> bool:
     """Whether ``t`` is a dense tensor (``torch.strided``, not nested): the only kind DTensor (torch
     2.13) places."""
     return t.layout == torch.strided and not t.is_nested
+
+
+def overlapping_batch_leaves(leaves: Sequence[torch.Tensor]) -> tuple[tuple[int, int], ...]:
+    """Pairs ``(i, j)``, ``i < j``, of tensor arguments whose memory overlaps: one tensor passed twice
+    (``step(model, opt, x, x)``), or overlapping views of one (``x[:, :-1], x[:, 1:]``). By storage and
+    byte range (conservative for interleaved strides); in O(len(leaves)) where no two share a storage,
+    the usual case."""
+    by_storage: dict[int, list[int]] = {}
+    for i, t in enumerate(leaves):
+        if is_dense(t) and t.numel() and t.device.type != "meta":
+            by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(i)
+    pairs = []
+    for same in by_storage.values():
+        for a, i in enumerate(same):
+            pairs += [(i, j) for j in same[a + 1:] if _bytes_overlap(leaves[i], leaves[j])]
+    return tuple(pairs)
+
+
+def _bytes_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    def extent(t: torch.Tensor) -> tuple[int, int]:
+        last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        return t.storage_offset() * t.element_size(), (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = extent(a), extent(b)
+    return a0 < b1 and b0 < a1
 
 
 def not_dense_problem(t: torch.Tensor) -> Optional[str]:

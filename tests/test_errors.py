@@ -269,6 +269,36 @@ def test_a_batch_tensor_that_is_not_dense_is_refused(fake_mesh, make, what):
     assert ("`t.to_padded_tensor(0.0)`" if "nested" in what else "`t.to_dense()`") in msg
 
 
+def test_a_write_to_a_tensor_argument_another_one_shares_is_refused(fake_mesh):
+    """``step(model, opt, x, x)`` where the step writes ``x`` in place: the graph takes the two as
+    inputs of their own, so the second did not see the write (one device's does): a 2-rank run gave
+    losses 0.1026 / 0.0014 where one device had 0.1281 / 0.0356, on the first call too when it was the
+    one that shared. Refused before anything runs, naming both arguments; a copy runs, and so does a
+    step that only reads them (an autoencoder's ``x, x``; a language model's overlapping views)."""
+
+    def scale_then_fit(model, optimizer, x, y):
+        x.mul_(2.0)
+        loss = model(x).pow(2).mean() + model(y).mean()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    model, x = MLP(), torch.randn(4, 16)
+    step = ddp(fake_mesh, scale_then_fit)
+    with pytest.raises(spmd.BatchError) as info:  # the first call shares
+        step(model, sgd(model), x, x)
+    msg = str(info.value)
+    assert "tensor arguments 0 (x) and 1 (y) of the step share memory" in msg and "writes argument 0 (x)" in msg, msg
+    assert "`x, x.clone()`" in msg, msg
+    assert torch.isfinite(step(model, sgd(model), x, x.clone()))
+    with pytest.raises(spmd.BatchError, match="share memory"):  # a later call shares: same graph, refused too
+        step(model, sgd(model), x, x.view(4, 16))
+    data = torch.randn(4, 17)
+    with pytest.raises(spmd.BatchError, match=r"arguments 0 \(x\) and 1 \(y\)"):  # overlapping views
+        step(model, sgd(model), data[:, :-1], data[:, 1:])
+    assert torch.isfinite(ddp(fake_mesh)(model, sgd(model), x, x))  # mse_step only reads them
+
+
 def test_a_sparse_buffer_is_refused_naming_it(fake_mesh):
     class Propagate(nn.Module):
         def __init__(self):
