@@ -75,6 +75,7 @@ from .errors import in_torch_or_spmd_expand
 
 __all__ = [
     "GlobalState",
+    "HeldModules",
     "ModuleRead",
     "PythonGuards",
     "PythonValue",
@@ -277,6 +278,73 @@ class CodeIdentity:
         return None
 
 
+class HeldModules:
+    """The modules a traced step reaches through a global or closure variable (or an element of a list,
+    tuple or dict one holds) that are not the model's: an auxiliary head, a frozen teacher, a criterion
+    holding torch loss modules (:func:`settings_variables`). Their parameters and buffers are graph
+    inputs, read by name on every call (:class:`TensorConstant`); the rest of them is baked in, so it is
+    checked on every call as :class:`~spmd_expand.guards.Snapshot` checks the model's: which object the
+    variable holds, which submodule objects it has and their classes, ``train()``/``eval()``, the
+    names in their parameter/buffer/module slots and their hooks (by identity). The scalar attributes
+    the step reads of them (``LeakyReLU.negative_slope``, ``CrossEntropyLoss.label_smoothing``) are
+    recorded as the model's are (:func:`record_reads`)."""
+
+    def __init__(self, held: Sequence[tuple[str, Any, Callable[[], Any]]], model: nn.Module) -> None:
+        own = set(map(id, model.modules()))
+        self.entries = [
+            (description, reader, value, _module_tree_state(value))
+            for description, value, reader in held
+            if isinstance(value, nn.Module) and id(value) not in own
+        ]
+
+    def check(self) -> Optional[str]:
+        """None when every held module is as traced, else what changed."""
+        for description, reader, module, state in self.entries:
+            now = reader()
+            if now is not module:
+                shown = f"a {type(now).__name__}" if isinstance(now, nn.Module) else _brief(now)
+                return f"{description} holds another object than the module the step was traced with (now {shown})"
+            changed = _module_tree_change(state, _module_tree_state(module))
+            if changed is not None:
+                return f"the module in {description} changed since the trace: {changed}"
+        return None
+
+
+def _module_tree_state(module: nn.Module) -> list[tuple]:
+    """Per submodule of ``module`` (``named_modules`` order): name, object, class, ``training``, slot
+    names, hook dicts' contents. (Their scalar attributes the step reads are recorded one by one:
+    :func:`record_reads`.)"""
+    return [
+        (
+            fqn, m, type(m), m.training,
+            tuple(tuple(slot) for slot in (m._parameters, m._buffers, m._modules)),
+            tuple(tuple(d.values()) for d in MODULE_HOOKS(m)),
+        )
+        for fqn, m in module.named_modules(remove_duplicate=False)
+    ]
+
+
+def _module_tree_change(before: list[tuple], now: list[tuple]) -> Optional[str]:
+    """What differs between two :func:`_module_tree_state` of one module, in words; None if nothing."""
+    for old, new in itertools.zip_longest(before, now):
+        if old is None or new is None or old[0] != new[0] or old[1] is not new[1]:
+            where = (old or new)[0]
+            return f"its submodules are others (at {where!r}: a module added, removed or replaced)"
+        fqn, _, cls, training, slots, hook_lists = new
+        where = f"submodule {fqn!r} ({cls.__name__})" if fqn else f"the module ({cls.__name__})"
+        if cls is not old[2]:
+            return f"{where} has another class"
+        if training != old[3]:
+            return f"{where} was switched to {'train()' if training else 'eval()'}"
+        if slots != old[4]:
+            return f"{where} has other parameters, buffers or submodules by name"
+        if len(hook_lists) != len(old[5]) or any(
+            len(a) != len(b) or any(map(operator.is_not, a, b)) for a, b in zip(hook_lists, old[5])
+        ):
+            return f"{where} has hooks added or removed"
+    return None
+
+
 def _partial_state(p: functools.partial) -> tuple:
     """A partial's function and arguments, compared with :func:`_same_contents` (the function and any
     tensor argument by identity, numbers by value)."""
@@ -286,14 +354,15 @@ def _partial_state(p: functools.partial) -> tuple:
 @dataclass
 class PythonGuards:
     """What one trace read from outside its inputs, checked on every call: Python values
-    (:class:`PythonValue`), torch's global state (:class:`GlobalState`) and the code it ran
-    (:class:`CodeIdentity`)."""
+    (:class:`PythonValue`), torch's global state (:class:`GlobalState`), the code it ran
+    (:class:`CodeIdentity`) and the modules it reached outside the model (:class:`HeldModules`)."""
 
     values: list[PythonValue] = field(default_factory=list)
     global_state: Optional[GlobalState] = None
     # Module attribute reads not yet bound to the model's modules (see bind).
     module_reads: list["ModuleRead"] = field(default_factory=list)
     code: Optional[CodeIdentity] = None
+    held_modules: Optional[HeldModules] = None
 
     def bind(self, model: nn.Module) -> None:
         """Turn :attr:`module_reads` into values read from ``model``'s own modules. Call it once the
@@ -342,6 +411,11 @@ class PythonGuards:
                     f"number of threads, or the torch function modes, dispatch modes and saved-tensor hooks "
                     f"around the call); one graph is kept per state"
                 )
+        # Before the values: a replaced module is named as one, not by the attributes it lacks.
+        if self.held_modules is not None:
+            changed = self.held_modules.check()
+            if changed is not None:
+                return f"{changed}; one graph is kept per state of the modules a step reaches outside the model"
         for v in self.values:
             now = v.read()
             if not _same(now, v.value):
@@ -560,6 +634,12 @@ def record_reads(model: nn.Module, held: Sequence[tuple[str, Any, Callable[[], A
         # user_optimizers; a module of a global (a loss module): not one of the model's, recorded above
         if is_settings_object(value) or isinstance(value, torch.optim.Optimizer) or (isinstance(value, nn.Module) and id(value) not in names):
             holders.setdefault(id(value), (value, ("global", description, reader)))
+        if isinstance(value, nn.Module) and id(value) not in names:
+            # And its submodules (a criterion's torch loss module, a teacher's activations), read by
+            # their path from what the variable holds now.
+            for fqn, sub in value.named_modules():
+                if fqn and id(sub) not in names:
+                    holders.setdefault(id(sub), (sub, ("global", f"submodule {fqn} of {description}", _attribute_reader(reader, fqn))))
     frontier = list(holders.values())
     for _ in range(_NESTED_DEPTH):
         frontier = [_nested_holder(child, attr, where, holders) for value, where in frontier

@@ -63,6 +63,7 @@ from .boundaries import mark_boundaries, mark_sequence_first
 from .python_values import (
     CodeIdentity,
     GlobalState,
+    HeldModules,
     PythonGuards,
     RandomStateUse,
     StateChange,
@@ -1510,6 +1511,7 @@ def trace_step(
             global_state,
             recorded[-1].module_reads,
             CodeIdentity(user_functions, owners, [holder for _, holder in optimizer_state.holders(optimizer)] if optimizer is not None else []),
+            HeldModules(settings_objects, model),
         ),
         list(state_writes),
         list(group_writes),

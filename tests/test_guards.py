@@ -1237,6 +1237,68 @@ def test_code_replaced_between_calls_compiles_again(fake_mesh, patch, said):
         SCALED.keywords.update(saved[2])
 
 
+AUXILIARY = nn.Module()  # set by the test: a module the step reaches through a global, not the model's
+
+
+def _auxiliary_loss_step(model, optimizer, x):
+    h = model(x)
+    loss = h.square().mean() + AUXILIARY(h).square().mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _auxiliary_head():
+    return nn.Sequential(nn.Linear(4, 4), nn.LeakyReLU(0.01), nn.Dropout(0.5)).requires_grad_(False)
+
+
+def _swap_activation(head):
+    head[1] = nn.Tanh()
+
+
+def _another_head(head):
+    global AUXILIARY
+    AUXILIARY = nn.Sequential(nn.Linear(4, 4), nn.Sigmoid(), nn.Linear(4, 4)).requires_grad_(False)
+
+
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        (lambda head: head.eval(), "the module in global AUXILIARY of test_guards changed since the trace: the module (Sequential) was switched to eval()"),
+        (lambda head: head[2].train(False), "submodule '2' (Dropout) was switched to eval()"),
+        (_swap_activation, "its submodules are others (at '1': a module added, removed or replaced)"),
+        (lambda head: head.register_forward_hook(lambda m, i, o: o * 3.0), "the module (Sequential) has hooks added or removed"),
+        (lambda head: setattr(head[1], "negative_slope", 0.5), "negative_slope of submodule 1 of global AUXILIARY of test_guards == 0.01 (now 0.5)"),
+        (_another_head, "global AUXILIARY of test_guards holds another object than the module the step was traced with (now a Sequential)"),
+    ],
+    ids=["eval", "submodule_eval", "submodule_replaced", "hook", "submodule_setting", "rebound"],
+)
+def test_a_module_the_step_reaches_outside_the_model_is_guarded(fake_mesh, change, said):
+    """An auxiliary head, a frozen teacher or a criterion a global or closure variable holds: its
+    tensors are graph inputs read by name, and the rest of it is baked into the graph. Its train/eval
+    switch, submodules, hooks, the settings of its submodules and the object the variable holds were
+    not guarded: 2 gloo ranks ran the first trace on after each (second-call losses 1.2763-1.3640
+    where one device had 1.3731-2.3693). Each compiles again now, with a warning naming it."""
+    global AUXILIARY
+    torch.manual_seed(0)
+    AUXILIARY = _auxiliary_head()
+    model = nn.Linear(8, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(_auxiliary_loss_step)
+    x = torch.randn(4, 8)
+    step(model, optimizer, x)
+    step(model, optimizer, x)
+    assert sum(len(v) for v in step.cache.values()) == 1
+    change(AUXILIARY)
+    with pytest.warns(UserWarning, match="compiling _auxiliary_loss_step again") as caught:
+        step(model, optimizer, x)
+    assert any(said in str(w.message) for w in caught), [str(w.message) for w in caught]
+    graphs = sum(len(v) for v in step.cache.values())
+    step(model, optimizer, x)  # the new state's graph is reused
+    assert sum(len(v) for v in step.cache.values()) == graphs
+
+
 _SCHEDULED: dict = {}
 
 
