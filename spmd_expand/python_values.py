@@ -420,6 +420,9 @@ class PythonGuards:
             now = v.read()
             if not _same(now, v.value):
                 shown = "<deleted>" if now is _MISSING else _brief(now)
+                if isinstance(now, dict) and isinstance(v.value, dict) and shown.startswith("a "):
+                    keys = [k for k in {**v.value, **now} if not _same(now.get(k, _MISSING), v.value.get(k, _MISSING))]
+                    shown += f"; entries {', '.join(map(repr, keys[:8]))} differ" if keys else ""
                 if ATTRIBUTE_NAMES in v.description and isinstance(v.value, frozenset):
                     owner = v.description.replace(f".{ATTRIBUTE_NAMES}", "").replace(f"{ATTRIBUTE_NAMES} of ", "")
                     added = sorted(now - v.value) if isinstance(now, frozenset) else []

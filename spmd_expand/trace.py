@@ -1870,6 +1870,15 @@ def _trace_failure_hint(kind: str, message: str, data_dependent: bool, library: 
         )
     if data_dependent:
         return "the step branches on tensor values (data-dependent control flow); compute the branch with torch.where or move it out of the step"
+    attribute = re.search(r"'(FakeTensor|FunctionalTensor|Tensor|Parameter)' object has no attribute '(\w+)'", message)
+    if kind == "AttributeError" and attribute:
+        return (
+            f"the step reads attribute {attribute.group(2)!r} of a tensor: one you set on a parameter or tensor "
+            f"(`p.{attribute.group(2)} = ...`) is not carried into the trace, which runs the step on stand-in "
+            f"tensors (nor onto the DTensor a parameter becomes). Keep per-parameter settings outside the tensor: "
+            f"in a dict keyed by the parameter's name (`model.named_parameters()`), or in the optimizer's param "
+            f"groups (one group per setting)"
+        )
     if kind == "DynamicOutputShapeException":
         op = message.splitlines()[0] if message else "an op"
         return (

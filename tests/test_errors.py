@@ -926,6 +926,28 @@ def test_calling_the_converted_model_outside_a_step_names_the_fix(fake_mesh):
     compiled(model, sgd(model), torch.randn(8, 16), torch.randn(8, 16))  # the hook does not stop the step
 
 
+def test_an_attribute_set_on_a_parameter_names_where_to_keep_it(fake_mesh):
+    """``p.lr_scale = 2.0`` set on parameters and read in the step: the trace runs on stand-in tensors
+    without it. The fix said to run the step eagerly first (it does run eagerly); it names the
+    attribute and where per-parameter settings go."""
+    model = MLP()
+    for p in model.parameters():
+        p.lr_scale = 2.0
+
+    def scaled(model, optimizer, x, y):
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        for p in model.parameters():
+            p.grad.mul_(p.lr_scale)
+        optimizer.step()
+        return loss
+
+    with pytest.raises(spmd.TraceError) as info:
+        ddp(fake_mesh, scaled)(model, sgd(model), torch.randn(4, 16), torch.randn(4, 4))
+    msg = str(info.value)
+    assert "reads attribute 'lr_scale' of a tensor" in msg and "param groups" in msg, msg
+
+
 def test_a_path_component_like_a_size_symbol_gets_no_batch_dim_hint():
     """The hint for a size mismatch looks for a shape symbol (``s53``); a directory named like one
     (``/runs/s52/``) in the message gave the batch_dim fix to an unrelated error."""

@@ -1358,3 +1358,23 @@ def test_modes_and_saved_tensor_hooks_around_the_call_are_guarded(fake_mesh, aro
     assert sum(len(v) for v in step.cache.values()) == 2
     step(model, optimizer, x)  # without them again: the first graph
     assert sum(len(v) for v in step.cache.values()) == 2
+
+
+def _momentum_scaled_step(model, optimizer, x):
+    loss = model(x).square().mean() * (1.0 + optimizer.defaults["momentum"])
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_a_changed_dict_entry_is_named_in_the_recompile_warning(fake_mesh):
+    """A dict the trace read (``optimizer.defaults``) with one entry changed: the warning named only
+    "a dict of 9 entries (now a dict of 9 entries)" (stale-graph hunt); it names the entry now."""
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(_momentum_scaled_step)
+    step(model, optimizer, torch.randn(4, 4))
+    optimizer.defaults["momentum"] = 0.5
+    with pytest.warns(UserWarning, match=r"now a dict of \d+ entries; entries 'momentum' differ"):
+        step(model, optimizer, torch.randn(4, 4))
