@@ -58,6 +58,7 @@ import enum
 import functools
 import itertools
 import operator
+import os
 import sys
 import types
 import warnings
@@ -420,7 +421,9 @@ class PythonGuards:
             now = v.read()
             if not _same(now, v.value):
                 shown = "<deleted>" if now is _MISSING else _brief(now)
-                if isinstance(now, dict) and isinstance(v.value, dict) and shown.startswith("a "):
+                if isinstance(now, dict) and isinstance(v.value, dict) and shown.startswith("a ") and all(
+                    isinstance(k, (str, int)) for k in itertools.chain(now, v.value)
+                ):  # a settings dict (optimizer.defaults): which entries
                     keys = [k for k in {**v.value, **now} if not _same(now.get(k, _MISSING), v.value.get(k, _MISSING))]
                     shown += f"; entries {', '.join(map(repr, keys[:8]))} differ" if keys else ""
                 if ATTRIBUTE_NAMES in v.description and isinstance(v.value, frozenset):
@@ -664,12 +667,17 @@ def record_reads(model: nn.Module, held: Sequence[tuple[str, Any, Callable[[], A
                     attributes[ATTRIBUTE_NAMES] = frozenset(vars(value))
                 whole.append((value, where, attributes))
         _recorders.append(reads)
-        yield result
+        with _recording_environment() as environment:
+            yield result
     finally:
         if _recorders and _recorders[-1] is reads:
             _recorders.pop()
         for obj, cls in swapped:
             object.__setattr__(obj, "__class__", cls)
+    result.values += [
+        PythonValue(f"environment variable {key}", functools.partial(os.environ.get, key, _MISSING), value)
+        for key, value in environment.items()
+    ]
     found = [(obj, name, value) for obj, name, value in reads.values()]
     found += [(obj, name, value) for obj, _, attributes in whole for name, value in attributes.items()]
     for obj, name, value in found:
@@ -685,6 +693,44 @@ def record_reads(model: nn.Module, held: Sequence[tuple[str, Any, Callable[[], A
                     continue  # torch's own bookkeeping (_need_device_dtype_check_for_fused), not a setting
                 _, description, reader = where
                 result.values.append(PythonValue(f"attribute {name} of {description}", _attribute_reader(reader, name), value))
+
+
+@contextlib.contextmanager
+def _recording_environment() -> Iterator[dict[str, Any]]:
+    """While inside, note the environment variables the user's code reads (``os.environ[k]``,
+    ``os.environ.get(k)``, ``os.getenv(k)``, ``k in os.environ``; torch's and other libraries' reads
+    are left out) in the yielded ``{key: value}`` (``_MISSING`` for one not set): a step branching on
+    one (`if os.environ.get("DEBUG_LOSS"):`) bakes it in, so :func:`record_reads` guards them."""
+    found: dict[str, Any] = {}
+    environ = os.environ
+    base = type(environ)
+
+    class Recording(base):  # type: ignore[valid-type, misc]
+        def __getitem__(self, key: Any) -> Any:
+            try:
+                value = base.__getitem__(self, key)
+            except KeyError:
+                _note(key, _MISSING)
+                raise
+            _note(key, value)
+            return value
+
+    def _note(key: Any, value: Any) -> None:
+        frame = sys._getframe(2)
+        while frame is not None and frame.f_code.co_filename in _MAPPING_FILES:
+            frame = frame.f_back  # Mapping.get / __contains__, os.getenv
+        if frame is not None and not _is_library_path(frame.f_code.co_filename):
+            found.setdefault(key, value)
+
+    Recording.__name__ = Recording.__qualname__ = base.__name__
+    object.__setattr__(environ, "__class__", Recording)
+    try:
+        yield found
+    finally:
+        object.__setattr__(environ, "__class__", base)
+
+
+_MAPPING_FILES = frozenset({collections.abc.Mapping.get.__code__.co_filename, os.getenv.__code__.co_filename})
 
 
 # How deep record_reads follows settings objects inside settings objects (trainer.args.optim).

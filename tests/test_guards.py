@@ -16,6 +16,7 @@ import dataclasses
 import enum
 import functools
 import math
+import os
 import types
 import warnings
 
@@ -1378,3 +1379,31 @@ def test_a_changed_dict_entry_is_named_in_the_recompile_warning(fake_mesh):
     optimizer.defaults["momentum"] = 0.5
     with pytest.warns(UserWarning, match=r"now a dict of \d+ entries; entries 'momentum' differ"):
         step(model, optimizer, torch.randn(4, 4))
+
+
+def _environment_switched_step(model, optimizer, x):
+    loss = model(x).square().mean()
+    if os.environ.get("SPMD_TEST_EXTRA_L1") == "1":  # a debug switch read inside the step
+        loss = loss + model.weight.abs().sum()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_an_environment_variable_the_step_reads_is_guarded(fake_mesh, monkeypatch):
+    """``os.environ.get(...)`` in the step was baked in (a switch set after the first call ran the old
+    graph, silently). The user's reads are recorded while tracing and compared on every call."""
+    monkeypatch.delenv("SPMD_TEST_EXTRA_L1", raising=False)
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(_environment_switched_step)
+    x = torch.randn(4, 4)
+    step(model, optimizer, x)
+    step(model, optimizer, x)
+    assert sum(len(v) for v in step.cache.values()) == 1
+    monkeypatch.setenv("SPMD_TEST_EXTRA_L1", "1")
+    with pytest.warns(UserWarning, match=r"environment variable SPMD_TEST_EXTRA_L1 == <missing> \(now '1'\)"):
+        step(model, optimizer, x)
+    assert sum(len(v) for v in step.cache.values()) == 2
+    assert type(os.environ).__name__ == "_Environ" and type(os.environ).__module__ == "os"  # put back
