@@ -174,6 +174,14 @@ def folded_all_reduce(graph: fx.Graph, inside: set, check_ranks: Optional[frozen
     return None
 
 
+def _wrapped(total: int, dtype: torch.dtype) -> int:
+    """``total`` as an integer tensor of ``dtype`` holds it after an all-reduce: modulo 2**bits, in
+    two's complement (an int8 count of 128 rows on each of 2 ranks sums to 0, as one device's 256 does)."""
+    info = torch.iinfo(dtype)
+    total %= 1 << info.bits
+    return total - (1 << info.bits) if info.min < 0 and total > info.max else total
+
+
 def split_prologue(gm: fx.GraphModule, check_ranks: Optional[frozenset] = None) -> Optional[Split]:
     """Cut ``gm`` into a prologue and the rest (module docstring), or None when the prologue would
     hold no matrix product, convolution or attention (nothing for the check to hide under) or the
@@ -297,7 +305,7 @@ class PrologueRunner:
             carried[i] = carried[i].clone()
         total = finish() if finish is not None else None
         if count is not None:
-            carried.append(count.new_full(count.shape, total) if total is not None else self._all_reduce(count))
+            carried.append(count.new_full(count.shape, _wrapped(total, count.dtype)) if total is not None else self._all_reduce(count))
         if first:
             self.rest = self._lower_rest([*args, *carried])
         return self.rest(*args, *carried)

@@ -54,6 +54,9 @@ _FORM_WITH_RULES = {
 
 # Ops through which a partial p-norm stays one (see _Propagator.dtensor_rule): views, copies,
 # stack/cat, and the norms themselves.
+# Integer dtypes whose sums overflow at sizes a step reaches (a count of 128 rows in int8).
+_NARROW_INTEGERS = frozenset({torch.int8, torch.uint8, torch.int16})
+
 _NORM_PARTIAL_SAFE = VIEW_OPS | {
     aten.linalg_vector_norm.default,
     aten._foreach_norm.Scalar,
@@ -202,7 +205,9 @@ class _Propagator:
         linear pointwise strategies keep it through ``sum``, ``add``, ``mul``: ``o.norm(dim=0).sum()``
         over a batch-sharded ``o`` summed the ranks' norms' combination instead of the norms. Only
         ops that act on each element alone without arithmetic (views, copies, ``stack``, ``cat``)
-        and the norms themselves (which DTensor reduces correctly) keep it.
+        and the norms themselves (which DTensor reduces correctly) keep it. Likewise a partial sum of
+        a narrow integer dtype is reduced before an op whose output has another dtype reads it (a
+        cast of an int8 count: one device's sum wraps before the cast).
         """
         try:
             sharding = self._dtensor_rule(node)
@@ -212,13 +217,23 @@ class _Propagator:
                 raise
         if node.target in _VIEWS and _uneven_over_mesh_dims(sharding.output, self.mesh):
             sharding = self._regathered_view(node) or self._gathered_view(node) or sharding
-        if node.target in _NORM_PARTIAL_SAFE:
-            return sharding
         relaid = {}
+        out = node.meta.get("val")
         for a in node.all_input_nodes:
             spec = self.output_of(a)
-            if isinstance(spec, DTensorSpec) and any(isinstance(p, _NormPartial) for p in spec.placements):
+            if not isinstance(spec, DTensorSpec):
+                continue
+            if node.target not in _NORM_PARTIAL_SAFE and any(isinstance(p, _NormPartial) for p in spec.placements):
                 placements = [Replicate() if isinstance(p, _NormPartial) else p for p in spec.placements]
+                relaid[a] = spec_with_meta(self.mesh, placements, spec.tensor_meta)
+            elif (
+                spec.tensor_meta.dtype in _NARROW_INTEGERS and any(p.is_partial() for p in spec.placements)
+                and isinstance(out, torch.Tensor) and out.dtype != spec.tensor_meta.dtype
+            ):
+                # A partial sum of a narrow integer (an int8 count) wraps on one device before a cast or
+                # a promoting op reads it (256 rows: 0); cast first, the ranks' parts (-128 each) would
+                # sum to -256. Reduced in its own dtype first, it wraps as one device's does.
+                placements = [Replicate() if p.is_partial() else p for p in spec.placements]
                 relaid[a] = spec_with_meta(self.mesh, placements, spec.tensor_meta)
         if not relaid:
             return sharding

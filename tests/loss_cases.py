@@ -102,6 +102,10 @@ BATCH_OPS = {
     # gradient with new_empty_strided, whose global size was not localized: a raw RuntimeError).
     "inplace_view_writes": lambda o, t: _written_views(o * 1).pow(2).sum(),
     "inplace_diagonal_of_rows": lambda o, t: _halve_diagonal(o @ o.T).pow(2).sum(),
+    # An int8 count over the batch, wrapped on one device (256 elements: 0) before the cast reads it;
+    # the ranks' parts (128 each: -128) cast first summed to -256, silently (scale 0 instead of 1).
+    "int8_count_cast": lambda o, t: o.pow(2).mean()
+    * (1 + (t["real"].repeat(8, 1) > -100).to(torch.int8).sum(dtype=torch.int8).float() / 256),
     # torch.cdist of small inputs (_cdist_forward/_cdist_backward had no rule): to fixed prototypes,
     # within the batch (its rows split on both sides), and p=3 with a batch dim.
     "cdist": lambda o, t: torch.cdist(o, torch.linspace(-1, 1, 3 * OUT).view(3, OUT)).pow(2).mean()

@@ -15,7 +15,7 @@ import spmd_expand as spmd
 from spmd_expand.app.models import classification_step
 from spmd_expand.graph_stats import COLLECTIVES
 from spmd_expand.passes.feeders import WAIT
-from spmd_expand.prologue import PrologueRunner, split_prologue
+from spmd_expand.prologue import PrologueRunner, _wrapped, split_prologue
 
 
 def _step_with_a_write(w, x, buf):
@@ -156,3 +156,12 @@ def test_the_check_sums_the_counts_only_when_every_rank_sent_one(fake_mesh):
     assert verdict([1, 1, 1, 1], [3, 0, 5, 1]) == 9
     with pytest.raises(spmd.SpmdError, match="only some send a count"):
         verdict([1, 0, 1, 1], [3, 0, 5, 1])
+
+
+def test_a_folded_count_wraps_as_its_dtype_does():
+    """The ranks' counts summed in the check row are Python ints; written back into the count's dtype
+    they wrap as an all-reduce in that dtype does (an int8 count of 128 rows on each of 2 ranks: 0,
+    as one device's 256). new_full refused the unwrapped -256 with a raw RuntimeError."""
+    assert _wrapped(-256, torch.int8) == 0 and _wrapped(-128, torch.int8) == -128 and _wrapped(128, torch.int8) == -128
+    assert _wrapped(300, torch.uint8) == 44 and _wrapped(-1, torch.uint8) == 255
+    assert _wrapped(2**40, torch.int64) == 2**40 and _wrapped(2**63, torch.int64) == -(2**63)
