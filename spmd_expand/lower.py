@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import re
 import unittest.mock
 import warnings
 from typing import Any, Callable, Optional, Sequence
@@ -153,6 +154,67 @@ def _cacheable(example_inputs: Sequence[Any]):
     return tracing(context)
 
 
+@contextlib.contextmanager
+def _generated_wrappers():
+    """Yields a list filled, on exit, with the source of every Python module Inductor loads inside
+    (its generated wrapper code, compiled or taken from its caches, in memory or on disk)."""
+    from torch._inductor.codecache import PyCodeCache
+
+    paths: list[str] = []
+    load = PyCodeCache.load_by_key_path.__func__
+
+    def recording(cls, key, path, *args, **kwargs):
+        paths.append(path)
+        return load(cls, key, path, *args, **kwargs)
+
+    sources: list[str] = []
+    with unittest.mock.patch.object(PyCodeCache, "load_by_key_path", classmethod(recording)):
+        yield sources
+    for path in dict.fromkeys(paths):
+        if os.path.exists(path):
+            with open(path) as f:
+                sources.append(f.read())
+
+
+_COLLECTIVE = re.compile(r"^\s*(buf\d+) = torch\.ops\._c10d_functional\.(\w+)\.default\(")
+_IN_PLACE_COLLECTIVE = re.compile(r"^\s*torch\.ops\._c10d_functional\.(\w+_)\.default\(\[?(buf\d+)")
+_WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((buf\d+)\)")
+_ALIAS = re.compile(r"^\s*(buf\d+) = (?:reinterpret_tensor\((buf\d+)\b.*# alias|(buf\d+)\[\d+\])\s*$")
+_BUFFER = re.compile(r"\bbuf\d+\b")
+
+
+def collective_read_before_wait(source: str) -> Optional[str]:
+    """In Inductor's wrapper code ``source``, the first line that reads a collective's output (or a
+    view of it) before its ``wait_tensor``, as ``"bufN (the output of <collective>) in <line>"``;
+    None where every read comes after the wait. A collective's output holds its data only once waited
+    (gloo writes it from its own thread), so such a read computes with whatever the buffer held."""
+    pending: dict[str, str] = {}  # buffer -> the collective that writes it, not yet waited
+    for line in source.splitlines():
+        wait = _WAIT.search(line)
+        if wait:
+            pending.pop(wait.group(1), None)
+            continue
+        issued = _COLLECTIVE.match(line)
+        if issued:
+            pending[issued.group(1)] = issued.group(2)
+            continue
+        issued = _IN_PLACE_COLLECTIVE.match(line)
+        if issued:
+            pending[issued.group(2)] = issued.group(1)
+            continue
+        stripped = line.strip()
+        if not pending or stripped.startswith(("assert_size_stride(", "assert_alignment(", "#", "del ")):
+            continue
+        alias = _ALIAS.match(line)
+        if alias and (alias.group(2) or alias.group(3)) in pending:
+            pending[alias.group(1)] = pending[alias.group(2) or alias.group(3)]
+            continue
+        read = next((b for b in _BUFFER.findall(line) if b in pending), None)
+        if read is not None:
+            return f"{read} (the output of {pending[read]}) in `{stripped[:160]}`"
+    return None
+
+
 class InductorStep:
     """``gm`` compiled by Inductor (``compile_fx``), called like ``gm``.
 
@@ -191,8 +253,17 @@ class InductorStep:
         # the step updated in place, whose autograd metadata the fakification cannot read: detached.
         inputs = [x.detach() if isinstance(x, torch.Tensor) else x for x in self._inputs(args)]
         with inductor_config.patch(self._patches) if self._patches else contextlib.nullcontext(), _cacheable(inputs), \
-                _without_torch_tensorify():
+                _without_torch_tensorify(), _generated_wrappers() as sources:
             compiled = compile_fx(copy_graph_module(self._gm), inputs)
+        misordered = next(filter(None, map(collective_read_before_wait, sources)), None)
+        if misordered is not None:
+            warnings.warn(
+                f"spmd.compile: Inductor's code for this graph reads {misordered}, i.e. before the "
+                f"collective's data has arrived (an Inductor scheduling error seen on CPU with torch 2.13); "
+                f"the graph runs eager instead (slower, the same values as one device). Please report it",
+                stacklevel=2,
+            )
+            compiled = self._gm
         self._compiled[tuple(args[i] for i in self.constants)] = compiled
         while len(self._compiled) > self._KEEP:
             self._compiled.popitem(last=False)

@@ -9,8 +9,11 @@ import pytest
 import torch
 import torch.nn as nn
 
+import lowering_cases
 import spmd_expand as spmd
+from spmd_expand.app.launch import run_local
 from spmd_expand.app.models import classification_step
+from spmd_expand.lower import collective_read_before_wait
 
 
 def test_graph_that_creates_momentum_buffers_is_not_sent_to_inductor(fake_mesh):
@@ -190,3 +193,44 @@ def test_inductor_issues_a_collective_where_overlap_put_it(fake_mesh, keep_order
     body = code[code.index("def call(") :]
     issued_first = body.index("all_reduce_") < body.index("extern_kernels.mm")
     assert issued_first == keep_order
+
+
+_READ_BEFORE_WAIT = """
+def call(self, args):
+    buf0 = torch.ops._c10d_functional.all_gather_into_tensor.default(arg0_1, 2, '0')
+    assert_size_stride(buf0, (8, 4), (4, 1), 'all_gather')
+    buf1 = reinterpret_tensor(buf0, (4, 4), (4, 1), 16)  # alias
+    buf2 = empty_strided_cpu((8, 4), (4, 1), torch.float32)
+    cpp_fused_mul_0(arg1_1, buf2)
+    torch.ops._c10d_functional.all_reduce_.default(buf2, 'sum', '0')
+    cpp_fused_add_1(buf1, buf3)
+    torch.ops._c10d_functional.wait_tensor.default(buf0)
+    torch.ops._c10d_functional.wait_tensor.default(buf2)
+    cpp_fused_add_2(buf0, buf2, buf4)
+"""
+
+
+def test_a_read_of_a_collective_output_before_its_wait_is_found():
+    """The check of Inductor's wrapper code: a read through a view of an all-gather's output before its
+    wait is found; reads after the waits, shape asserts and the views themselves are not reads."""
+    found = collective_read_before_wait(_READ_BEFORE_WAIT)
+    assert found is not None and found.startswith("buf1 (the output of all_gather_into_tensor) in `cpp_fused_add_1"), found
+    waited_first = _READ_BEFORE_WAIT.replace("    cpp_fused_add_1(buf1, buf3)\n", "")
+    assert collective_read_before_wait(waited_first) is None
+    in_place = waited_first.replace("    torch.ops._c10d_functional.wait_tensor.default(buf2)\n", "").replace(
+        "cpp_fused_add_2(buf0, buf2, buf4)", "cpp_fused_add_2(buf0, buf2, buf4)\n    torch.ops._c10d_functional.wait_tensor.default(buf2)"
+    )
+    assert "buf2 (the output of all_reduce_)" in collective_read_before_wait(in_place)
+
+
+def test_inductor_code_that_reads_a_collective_before_its_wait_runs_eager():
+    """2 gloo ranks, DDP, Inductor: for this step's graph after the prologue, Inductor (torch 2.13, CPU)
+    emitted a fused kernel reading an all-gather's output before its wait_tensor: from the second call
+    on the loss was nan or 1e17 and the parameters nan, silently (it depended on what the buffer held).
+    The generated code is checked: such a graph runs eager, with a warning, and matches one device."""
+    per_rank = run_local(lowering_cases.run_batch_weighted_inductor, 2, timeout_s=600)
+    for rank, r in enumerate(per_rank):
+        for i, (loss, ref) in enumerate(zip(r["losses"], r["ref_losses"])):
+            torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-6, msg=lambda m: f"rank {rank} call {i}: {m}")
+        for got, ref in zip(r["params"], r["ref_params"]):
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
