@@ -255,10 +255,13 @@ def _redistribute_error(error: Exception, at: fx.Node, node: fx.Node, src: DTens
     strided = any(isinstance(p, _StridedShard) for p in (*src.placements, *dst.placements))
     if strided:
         fix = (
-            "a _StridedShard comes from flattening or reshaping a tensor sharded on a dim that is not the "
-            "first (a sequence-parallel activation of shape (batch, seq, hidden) entering a Linear); DTensor "
-            "redistributes an uneven one only from values: make that dim's size divisible by the mesh dim's "
-            "size (the sequence length by the tensor-parallel degree)"
+            "a _StridedShard comes from flattening or reshaping a tensor split on a dim that is not the first "
+            "of the dims merged: a sequence-parallel activation (batch, seq, hidden) entering a Linear, "
+            "sequence-first data under batch_dim=1 flattened to tokens ((seq, batch) -> seq * batch), or a "
+            "split view of the batch (`x.view(2, n // 2, -1)`); DTensor redistributes some of these only "
+            "from values. Put the split dim first before flattening (`x.transpose(0, 1).flatten(0, 1)`, "
+            "and the targets alike), or make its size divisible by the mesh dim's size (the sequence length "
+            "by the tensor-parallel degree; the local batch by the number of pieces)"
         )
     elif any(p.is_shard() for p in src.placements) and any(p.is_partial() for p in dst.placements):
         fix = (

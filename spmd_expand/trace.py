@@ -1868,8 +1868,24 @@ def _trace_failure_hint(kind: str, message: str, data_dependent: bool, library: 
             "a tensor: `x.index_select(dim, t.view(1))` or `torch.gather` for an index, a mask such as "
             "`x * (torch.arange(len(x)) < t)` for a slice, or move that code out of the step"
         )
+    op = re.match(r"(aten\.\w+\.\w+)", message)
+    if data_dependent and kind == "DataDependentOutputException" and op and op.group(1) != "aten._local_scalar_dense.default":
+        # An ATen op whose result is a Python value of tensor values: torch.cov's and corrcoef's
+        # argument check calls aten.equal.
+        return (
+            f"{op.group(1)} returns a Python value computed from tensor values (an argument check inside a "
+            f"torch function, as torch.cov and torch.corrcoef make), which one graph cannot hold; write that "
+            f"computation out with tensor ops (the covariance of rows x: `xc = x - x.mean(0); xc.T @ xc / "
+            f"(len(x) - 1)`), or move it out of the step"
+        )
     if data_dependent:
         return "the step branches on tensor values (data-dependent control flow); compute the branch with torch.where or move it out of the step"
+    if kind == "UnsupportedOperatorException" and op:
+        return (
+            f"torch has no fake-tensor (meta) implementation of {op.group(1)}, so a trace cannot run it (the step "
+            f"itself runs eagerly); compute its result outside the step and pass it in as a tensor argument, or "
+            f"use ops that have one (a draw of a fixed shape, or of a 0-d parameter, may take another path)"
+        )
     attribute = re.search(r"'(FakeTensor|FunctionalTensor|Tensor|Parameter)' object has no attribute '(\w+)'", message)
     if kind == "AttributeError" and attribute:
         return (

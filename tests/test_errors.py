@@ -948,6 +948,20 @@ def test_an_attribute_set_on_a_parameter_names_where_to_keep_it(fake_mesh):
     assert "reads attribute 'lr_scale' of a tensor" in msg and "param groups" in msg, msg
 
 
+def test_an_op_returning_a_python_value_and_an_op_without_a_fake_kernel_get_their_own_fix():
+    """torch.cov over the batch (its argument check calls aten.equal) was told "the step branches on
+    tensor values", and a Beta draw with batch-sized parameters (aten._sample_dirichlet, no fake
+    kernel) "make sure the step runs eagerly first" (it does): both named the wrong cause."""
+    from spmd_expand.trace import _trace_failure_hint
+
+    cov = _trace_failure_hint("DataDependentOutputException", "aten.equal.default", True, "")
+    assert cov.startswith("aten.equal.default returns a Python value computed from tensor values") and "torch.cov" in cov, cov
+    draw = _trace_failure_hint("UnsupportedOperatorException", "aten._sample_dirichlet.default", False, "")
+    assert "no fake-tensor (meta) implementation of aten._sample_dirichlet.default" in draw and "tensor argument" in draw, draw
+    item = _trace_failure_hint("DataDependentOutputException", "aten._local_scalar_dense.default", True, "")
+    assert item.startswith("the step branches on tensor values"), item
+
+
 def test_a_path_component_like_a_size_symbol_gets_no_batch_dim_hint():
     """The hint for a size mismatch looks for a shape symbol (``s53``); a directory named like one
     (``/runs/s52/``) in the message gave the batch_dim fix to an unrelated error."""
