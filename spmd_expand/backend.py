@@ -52,7 +52,6 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import ops
 from .state import REPLACED_PARAMETERS, broadcast_materialized_state, distribute_state
@@ -138,7 +137,6 @@ def parallelize(
         )
     if timeout is not None:
         set_group_timeouts(mesh, timeout)
-    _install_optimizer_check()
     distribute_state(model, None, mesh, resolved, timeout)
     for module in model.modules():
         for name, buf in list(module._buffers.items()):
@@ -156,34 +154,6 @@ def parallelize(
     boundaries.enter_context(mark_sequence_first(model, mesh, resolved.data_parallel_dims))
     _PARALLELIZED[model] = _Parallelized(mesh, plan, resolved, boundaries, timeout)
     return model
-
-
-_OPTIMIZER_CHECK: list = []  # the handle of the global optimizer step pre-hook, once installed
-
-
-def _install_optimizer_check() -> None:
-    if not _OPTIMIZER_CHECK:
-        _OPTIMIZER_CHECK.append(register_optimizer_step_pre_hook(_refuse_replaced_parameters))
-
-
-def _refuse_replaced_parameters(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Global ``optimizer.step()`` pre-hook: refuse an optimizer built over parameters that
-    :func:`parallelize` has since replaced by DTensor parameters. Those tensors get no gradients any
-    more, so its step would skip every one of them and train nothing, without an error. Costs one
-    emptiness test per step unless a replaced parameter is still alive somewhere."""
-    if not REPLACED_PARAMETERS:
-        return
-    for g, group in enumerate(optimizer.param_groups):
-        for i, p in enumerate(group["params"]):
-            if p in REPLACED_PARAMETERS:
-                raise PlanError(
-                    f"{type(optimizer).__name__}.step(): param_groups[{g}]['params'][{i}] (shape {list(p.shape)}) "
-                    f"is a parameter that spmd.parallelize replaced by a DTensor parameter; this optimizer was "
-                    f"built before that call, over tensors that no longer get gradients, and its step would "
-                    f"update nothing\n"
-                    f"  fix: build the optimizer after model = spmd.parallelize(model, mesh, plan), over "
-                    f"model.parameters()"
-                )
 
 
 def _wrap_forward(model: nn.Module, mesh: DeviceMesh, resolved: ResolvedPlan) -> None:

@@ -219,7 +219,8 @@ class _Propagator:
             sharding = self._regathered_view(node) or self._gathered_view(node) or sharding
         relaid = {}
         out = node.meta.get("val")
-        for a in node.all_input_nodes:
+        # (A stand-in node of rules.cat_rule has args but no all_input_nodes.)
+        for a in dict.fromkeys(a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node)):
             spec = self.output_of(a)
             if not isinstance(spec, DTensorSpec):
                 continue

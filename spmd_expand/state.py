@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.utils.weak import WeakIdKeyDictionary
@@ -61,9 +62,43 @@ def unwrapped(model: nn.Module) -> nn.Module:
     return model
 
 
+_OPTIMIZER_CHECK: list = []  # the handle of the global optimizer step pre-hook, once installed
+
+
+def _refuse_replaced_parameters(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global ``optimizer.step()`` pre-hook (installed with the first parameter replaced): refuse an
+    optimizer over parameters that were replaced by DTensor parameters and not rebound in it: one
+    built before :func:`~spmd_expand.backend.parallelize`, or one that ``spmd.compile``'s step reaches
+    without being its optimizer argument (a GAN's second optimizer in a global or inside another
+    object). Those tensors get no gradients any more, so its step would skip every one of them and
+    train nothing, without an error (inside a traced step too). Costs one emptiness test per step
+    unless a replaced parameter is still alive somewhere."""
+    if not REPLACED_PARAMETERS:
+        return
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if p in REPLACED_PARAMETERS:
+                raise PlanError(
+                    f"{type(optimizer).__name__}.step(): param_groups[{g}]['params'][{i}] (shape {list(p.shape)}) "
+                    f"is a parameter that spmd_expand replaced by a DTensor parameter, and this optimizer still "
+                    f"holds the old tensor, which gets no gradients any more: its step would update nothing\n"
+                    f"  fix: with spmd.compile, pass the optimizer to the step as its argument (spmd.compile "
+                    f"rebinds that one; a step takes one optimizer, so compile one step per optimizer, e.g. a "
+                    f"discriminator step and a generator step); with spmd.parallelize, build the optimizer "
+                    f"after model = spmd.parallelize(model, mesh, plan), over model.parameters()"
+                )
+
+
+def _install_optimizer_check() -> None:
+    if not _OPTIMIZER_CHECK:
+        _OPTIMIZER_CHECK.append(register_optimizer_step_pre_hook(_refuse_replaced_parameters))
+
+
 def _rebind_parameters(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], new: dict[int, nn.Parameter]) -> None:
     """Replace parameters everywhere they are referenced: owning modules (tied ones too), the flat
-    weight lists of RNN modules, and optimizer."""
+    weight lists of RNN modules, and optimizer. Installs the check that refuses another optimizer's
+    step over the replaced ones (:func:`_refuse_replaced_parameters`)."""
+    _install_optimizer_check()
     for module in model.modules():
         replaced = False
         for name, p in list(module._parameters.items()):

@@ -82,7 +82,7 @@ from .python_values import (
     tensor_constants,
     user_optimizers,
 )
-from .errors import TraceError, in_torch_or_spmd_expand, node_error, user_source_line
+from .errors import SpmdError, TraceError, in_torch_or_spmd_expand, node_error, user_source_line
 from .forms import equal_forms_patched, equal_valued_form
 from .functionalize import functionalize_graph, list_functional_twin, written_values
 from .loss_parallel import MarkLossParallel
@@ -1438,7 +1438,7 @@ def trace_step(
                 functional = _functionalize_by_tracing(autograd_graph, fakes, sym_values)
         _refuse_host_reads(functional)
         python_writes = _settle_state_changes(state.changes(), _SymbolicScalars(shape_env, symbols))
-    except TraceError:
+    except SpmdError:  # ours, clear already (a PlanError from the optimizer check, a TraceError)
         _undo(state)
         randomness.restore()
         raise

@@ -962,6 +962,36 @@ def test_an_op_returning_a_python_value_and_an_op_without_a_fake_kernel_get_thei
     assert item.startswith("the step branches on tensor values"), item
 
 
+_SECOND_OPTIMIZER: list = []  # the generator's optimizer, reached through a global
+
+
+def _two_updates(model, optimizer, x):
+    """A GAN-shaped step: the optimizer argument updates ``a``, a global's second optimizer ``b``."""
+    loss = model(x).square().mean()
+    loss.backward()
+    optimizer.step()
+    _SECOND_OPTIMIZER[0].step()
+    return loss
+
+
+def test_a_second_optimizer_the_step_is_not_handed_is_refused(fake_mesh):
+    """spmd.compile rebinds the optimizer the step is given to the DTensor parameters; another one (a
+    GAN's generator optimizer in a global, or both inside a helper object) kept the replaced tensors,
+    which get no gradient: its step updated nothing, silently (2 gloo ranks: the generator's bias moved
+    0 where one device's moved 0.0031). Its step() is refused now, naming the fix."""
+    model = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))
+    first = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    _SECOND_OPTIMIZER[:] = [torch.optim.SGD(model[2].parameters(), lr=0.1)]
+    try:
+        with pytest.raises(spmd.PlanError) as info:
+            ddp(fake_mesh, _two_updates)(model, first, torch.randn(4, 16))
+    finally:
+        _SECOND_OPTIMIZER.clear()
+    msg = str(info.value)
+    assert msg.startswith("SGD.step(): param_groups[0]['params'][0] (shape [4, 8])") and "update nothing" in msg, msg
+    assert "compile one step per optimizer" in msg, msg
+
+
 def test_a_path_component_like_a_size_symbol_gets_no_batch_dim_hint():
     """The hint for a size mismatch looks for a shape symbol (``s53``); a directory named like one
     (``/runs/s52/``) in the message gave the batch_dim fix to an unrelated error."""
