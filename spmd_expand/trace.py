@@ -1886,6 +1886,14 @@ def _trace_failure_hint(kind: str, message: str, data_dependent: bool, library: 
             f"itself runs eagerly); compute its result outside the step and pass it in as a tensor argument, or "
             f"use ops that have one (a draw of a fixed shape, or of a 0-d parameter, may take another path)"
         )
+    if "backward through spmd_expand.gradient" in message:
+        # The marker of a gradient read after backward() has no autograd formula: p.grad of a
+        # backward(create_graph=True) differentiated again.
+        return (
+            "the step differentiates a gradient that backward(create_graph=True) wrote into .grad (a gradient "
+            "penalty), which the compiled step reads as data; compute it with torch.autograd.grad(loss, params, "
+            "create_graph=True) and differentiate what that returns (supported), then backward() the total"
+        )
     attribute = re.search(r"'(FakeTensor|FunctionalTensor|Tensor|Parameter)' object has no attribute '(\w+)'", message)
     if kind == "AttributeError" and attribute:
         return (

@@ -992,6 +992,25 @@ def test_a_second_optimizer_the_step_is_not_handed_is_refused(fake_mesh):
     assert "compile one step per optimizer" in msg, msg
 
 
+def test_a_gradient_penalty_through_dot_grad_names_autograd_grad(fake_mesh):
+    """``loss.backward(create_graph=True)`` and a penalty on ``p.grad`` differentiated again: refused
+    (the gradient read is data to the compiled step) with torch's "no autograd formula" and the fix
+    "run the step eagerly first" (it does); the fix names torch.autograd.grad, which is supported."""
+
+    def penalized(model, optimizer, x, y):
+        loss = (model(x) - y).square().mean()
+        loss.backward(create_graph=True)
+        penalty = sum(p.grad.pow(2).sum() for p in model.parameters())
+        penalty.backward()
+        optimizer.step()
+        return loss
+
+    model = MLP()
+    with pytest.raises(spmd.TraceError) as info:
+        ddp(fake_mesh, penalized)(model, sgd(model), torch.randn(4, 16), torch.randn(4, 4))
+    assert "torch.autograd.grad(loss, params, create_graph=True)" in str(info.value), info.value
+
+
 def test_a_path_component_like_a_size_symbol_gets_no_batch_dim_hint():
     """The hint for a size mismatch looks for a shape symbol (``s53``); a directory named like one
     (``/runs/s52/``) in the message gave the batch_dim fix to an unrelated error."""
