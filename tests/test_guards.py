@@ -1238,6 +1238,15 @@ def test_code_replaced_between_calls_compiles_again(fake_mesh, patch, said):
         SCALED.keywords.update(saved[2])
 
 
+def _compiled_and_called_twice(mesh, fn, model, optimizer, x):
+    """``fn`` compiled (DDP, eager), called twice on ``x``: one graph."""
+    step = spmd.compile(mesh=mesh, plan=spmd.DDP(), lower="eager")(fn)
+    step(model, optimizer, x)
+    step(model, optimizer, x)
+    assert sum(len(v) for v in step.cache.values()) == 1
+    return step
+
+
 AUXILIARY = nn.Module()  # set by the test: a module the step reaches through a global, not the model's
 
 
@@ -1286,11 +1295,8 @@ def test_a_module_the_step_reaches_outside_the_model_is_guarded(fake_mesh, chang
     AUXILIARY = _auxiliary_head()
     model = nn.Linear(8, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(_auxiliary_loss_step)
     x = torch.randn(4, 8)
-    step(model, optimizer, x)
-    step(model, optimizer, x)
-    assert sum(len(v) for v in step.cache.values()) == 1
+    step = _compiled_and_called_twice(fake_mesh, _auxiliary_loss_step, model, optimizer, x)
     change(AUXILIARY)
     with pytest.warns(UserWarning, match="compiling _auxiliary_loss_step again") as caught:
         step(model, optimizer, x)
@@ -1397,11 +1403,8 @@ def test_an_environment_variable_the_step_reads_is_guarded(fake_mesh, monkeypatc
     monkeypatch.delenv("SPMD_TEST_EXTRA_L1", raising=False)
     model = nn.Linear(4, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = spmd.compile(mesh=fake_mesh, plan=spmd.DDP(), lower="eager")(_environment_switched_step)
     x = torch.randn(4, 4)
-    step(model, optimizer, x)
-    step(model, optimizer, x)
-    assert sum(len(v) for v in step.cache.values()) == 1
+    step = _compiled_and_called_twice(fake_mesh, _environment_switched_step, model, optimizer, x)
     monkeypatch.setenv("SPMD_TEST_EXTRA_L1", "1")
     with pytest.warns(UserWarning, match=r"environment variable SPMD_TEST_EXTRA_L1 == <missing> \(now '1'\)"):
         step(model, optimizer, x)
