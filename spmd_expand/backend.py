@@ -176,7 +176,10 @@ def _wrap_forward(model: nn.Module, mesh: DeviceMesh, resolved: ResolvedPlan) ->
         return t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, resolved.batch_placements(t), run_check=False)
 
     def to_local(t: DTensor) -> torch.Tensor:
-        return t.redistribute(mesh, resolved.batch_placements(t)).to_local()
+        # An output split nowhere (a reduction over the batch: a statistic, a scalar; or computed from
+        # parameters alone) has no rows of this rank: its full value, as one device's.
+        split = any(p.is_shard() for p in t.placements)
+        return t.redistribute(mesh, resolved.batch_placements(t) if split else [Replicate()] * mesh.ndim).to_local()
 
     @functools.wraps(class_forward)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -298,3 +298,39 @@ def eager_gradient_worker(rank: int, world: int) -> dict:
         "grad": model.weight.grad.to_local().clone(),
         "warnings": [str(w.message) for w in caught if "eager DTensor code" in str(w.message)],
     }
+
+
+class _WithStatistic(nn.Module):
+    """Returns batch rows (logits) and a statistic over the batch (a [5] mean): not rows of a rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.c = nn.Linear(4, 5), nn.Linear(5, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.c(h), h.mean(0)
+
+
+def statistic_output_worker(rank: int, world: int, plan_name: str) -> dict:
+    """A compiled model's output that is not split over the ranks (a batch statistic), used in each
+    rank's loss: its value and the gradients, beside one device over the global batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    plan = spmd.DDP() if plan_name == "ddp" else spmd.FSDP()
+    torch.manual_seed(0)
+    model = _WithStatistic()
+    reference = copy.deepcopy(model)
+    spmd.parallelize(model, mesh, plan)
+    compiled = torch.compile(model, backend="spmd", options={"mesh": mesh, "plan": plan})
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)
+    out, statistic = compiled(x.chunk(world)[rank])
+    (F.cross_entropy(out, y.chunk(world)[rank]) + statistic.norm()).backward()
+    ref_out, ref_statistic = reference(x)
+    (F.cross_entropy(ref_out, y) + ref_statistic.norm()).backward()
+    return {
+        "statistic": statistic.detach(), "ref_statistic": ref_statistic.detach(),
+        "grads": [p.grad.full_tensor() for p in model.parameters()], "ref_grads": [p.grad for p in reference.parameters()],
+    }

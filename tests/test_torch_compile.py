@@ -255,6 +255,18 @@ def test_gradient_of_eager_dtensor_code_is_reduced_per_plan():
         assert len(r["warnings"]) == 1
 
 
+@pytest.mark.parametrize("plan", ["ddp", "fsdp"])
+def test_an_output_not_split_over_the_ranks_is_its_full_value(plan):
+    """A statistic over the batch returned by the compiled model (``h.mean(0)``, shape [5]) was
+    redistributed to the batch's placement like rows: each rank got a slice of it ([3] and [2]), and
+    a loss on it differed from one device's, silently. An output split nowhere now returns its full
+    value (as a scalar did), and its gradient matches one device's."""
+    for r in run_local(compile_cases.statistic_output_worker, 2, plan, timeout_s=300):
+        torch.testing.assert_close(r["statistic"], r["ref_statistic"])
+        for got, ref in zip(r["grads"], r["ref_grads"]):
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
+
+
 def test_a_data_parallel_split_of_a_sequence_first_input_is_refused(fake_mesh):
     """As under spmd.compile (tests/test_errors.py): sequence-first data into a batch_first=False
     Transformer layer with batch_dim=0 is refused while Dynamo traces, naming the module."""
