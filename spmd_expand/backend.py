@@ -175,19 +175,24 @@ def _wrap_forward(model: nn.Module, mesh: DeviceMesh, resolved: ResolvedPlan) ->
             raise BatchError(f"{type(model).__name__}.forward: a tensor argument {not_dense}")
         return t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, resolved.batch_placements(t), run_check=False)
 
-    def to_local(t: DTensor) -> torch.Tensor:
-        # An output split nowhere (a reduction over the batch: a statistic, a scalar; or computed from
-        # parameters alone) has no rows of this rank: its full value, as one device's.
-        split = any(p.is_shard() for p in t.placements)
-        return t.redistribute(mesh, resolved.batch_placements(t) if split else [Replicate()] * mesh.ndim).to_local()
+    def batch_dims(t: torch.Tensor) -> set[int]:
+        return {p.dim for p in resolved.batch_placements(t) if isinstance(p, Shard) and p.dim < t.dim()}
+
+    def to_local(t: DTensor, batch_sizes: set[int]) -> torch.Tensor:
+        # An output with no dim of the global batch's size on the batch dim, split nowhere (a statistic
+        # over the batch, a scalar, a value of parameters alone), has no rows of this rank: its full
+        # value, as one device's. Others: this rank's rows (a replicated one too).
+        rows = any(p.is_shard() for p in t.placements) or any(t.shape[d] in batch_sizes for d in batch_dims(t))
+        return t.redistribute(mesh, resolved.batch_placements(t) if rows else [Replicate()] * mesh.ndim).to_local()
 
     @functools.wraps(class_forward)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         _require_compiling()
         args, kwargs = pytree.tree_map_only(torch.Tensor, to_dtensor, (args, kwargs))
+        batch_sizes = {t.shape[d] for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, DTensor) for d in batch_dims(t)}
         with EqualForms():
             output = inner(*args, **kwargs) if inner is not None else class_forward(self, *args, **kwargs)
-        return pytree.tree_map_only(DTensor, to_local, output)
+        return pytree.tree_map_only(DTensor, functools.partial(to_local, batch_sizes=batch_sizes), output)
 
     model.forward = types.MethodType(forward, model)
 
@@ -646,7 +651,10 @@ class _GraphCompiler:
                 out.tangent_scale = 1.0 / self.dp_size
             elif isinstance(value, DTensor):
                 out = _Output("dtensor", tuple(value.placements), value.shape, tuple(value.stride()), differentiable)
-                out.tangent_placements = out.placements
+                # A partial value (a sum over the batch crossing a graph break) is the sum of the ranks'
+                # parts; its gradient is the same for every part: replicated, as DTensor's autograd
+                # hands it back (it makes Partial placements Replicate for gradients).
+                out.tangent_placements = tuple(Replicate() if p.is_partial() else p for p in out.placements)
             else:
                 out = _Output("plain", replicate(self.mesh), value.shape, tuple(value.stride()), differentiable)
                 out.tangent_placements = out.placements

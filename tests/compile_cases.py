@@ -334,3 +334,34 @@ def statistic_output_worker(rank: int, world: int, plan_name: str) -> dict:
         "statistic": statistic.detach(), "ref_statistic": ref_statistic.detach(),
         "grads": [p.grad.full_tensor() for p in model.parameters()], "ref_grads": [p.grad for p in reference.parameters()],
     }
+
+
+class _SumAcrossBreak(nn.Module):
+    """A sum over the batch (a partial value on each rank) carried across a graph break."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.c = nn.Linear(4, 3), nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        s = h.sum(0)
+        torch._dynamo.graph_break()  # a print() or a logging call does the same
+        return self.c(h + s)
+
+
+def sum_across_break_worker(rank: int, world: int) -> dict:
+    """:class:`_SumAcrossBreak` under DDP: outputs and gradients beside one device's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = _SumAcrossBreak()
+    reference = copy.deepcopy(model)
+    spmd.parallelize(model, mesh, spmd.DDP())
+    compiled = torch.compile(model, backend="spmd", options={"mesh": mesh, "plan": spmd.DDP()})
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 4, generator=g), torch.randint(0, 2, (4,), generator=g)
+    F.cross_entropy(compiled(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+    F.cross_entropy(reference(x), y).backward()
+    return {"grads": [p.grad.full_tensor() for p in model.parameters()], "ref_grads": [p.grad for p in reference.parameters()]}
