@@ -650,11 +650,13 @@ class _GraphCompiler:
                 )
                 out.tangent_scale = 1.0 / self.dp_size
             elif isinstance(value, DTensor):
-                out = _Output("dtensor", tuple(value.placements), value.shape, tuple(value.stride()), differentiable)
-                # A partial value (a sum over the batch crossing a graph break) is the sum of the ranks'
-                # parts; its gradient is the same for every part: replicated, as DTensor's autograd
-                # hands it back (it makes Partial placements Replicate for gradients).
-                out.tangent_placements = tuple(Replicate() if p.is_partial() else p for p in out.placements)
+                # A partial value (a sum over the batch crossing a graph break) leaves the graph reduced:
+                # eager code between graphs may read it as a number (`.item()`, `float()`), which on a
+                # Partial DTensor gives this rank's part. Its gradient is replicated too, as DTensor's
+                # autograd hands it back.
+                reduced = tuple(Replicate() if p.is_partial() else p for p in value.placements)
+                out = _Output("dtensor", reduced, value.shape, tuple(value.stride()), differentiable)
+                out.tangent_placements = reduced
             else:
                 out = _Output("plain", replicate(self.mesh), value.shape, tuple(value.stride()), differentiable)
                 out.tangent_placements = out.placements

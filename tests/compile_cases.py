@@ -365,3 +365,38 @@ def sum_across_break_worker(rank: int, world: int) -> dict:
     F.cross_entropy(compiled(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
     F.cross_entropy(reference(x), y).backward()
     return {"grads": [p.grad.full_tensor() for p in model.parameters()], "ref_grads": [p.grad for p in reference.parameters()]}
+
+
+class _CountReadAsNumber(nn.Module):
+    """A loss normalised inside forward by a count over the batch read as a Python number (`.item()`
+    breaks the graph there): the count must be the global one."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 2)
+
+    def forward(self, x, y):
+        n = (y >= 0).sum().item()
+        return F.cross_entropy(self.a(x), y, reduction="sum") / n
+
+
+def count_read_as_number_worker(rank: int, world: int) -> dict:
+    """:class:`_CountReadAsNumber` under DDP: loss and gradients beside one device's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = _CountReadAsNumber()
+    reference = copy.deepcopy(model)
+    spmd.parallelize(model, mesh, spmd.DDP())
+    compiled = torch.compile(model, backend="spmd", options={"mesh": mesh, "plan": spmd.DDP()})
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)
+    loss = compiled(x.chunk(world)[rank], y.chunk(world)[rank])
+    loss.backward()
+    ref_loss = reference(x, y)
+    ref_loss.backward()
+    return {
+        "loss": loss.detach(), "ref_loss": ref_loss.detach(),
+        "grads": [p.grad.full_tensor() for p in model.parameters()], "ref_grads": [p.grad for p in reference.parameters()],
+    }

@@ -277,6 +277,16 @@ def test_a_sum_over_the_batch_across_a_graph_break_gets_one_devices_gradient():
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
 
 
+def test_a_count_over_the_batch_read_as_a_number_is_the_global_count():
+    """``n = (labels >= 0).sum().item()`` inside forward: Dynamo breaks the graph there and the sum
+    left the first graph partial, so ``.item()`` read this rank's part (4 of 8): the loss was twice one
+    device's, silently. Partial values leave a graph reduced now."""
+    for r in run_local(compile_cases.count_read_as_number_worker, 2, timeout_s=300):
+        torch.testing.assert_close(r["loss"], r["ref_loss"], rtol=1e-4, atol=1e-6)  # a scalar: its full value
+        for got, ref in zip(r["grads"], r["ref_grads"]):
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
+
+
 def test_a_data_parallel_split_of_a_sequence_first_input_is_refused(fake_mesh):
     """As under spmd.compile (tests/test_errors.py): sequence-first data into a batch_first=False
     Transformer layer with batch_dim=0 is refused while Dynamo traces, naming the module."""
