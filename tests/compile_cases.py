@@ -337,26 +337,28 @@ def statistic_output_worker(rank: int, world: int, plan_name: str) -> dict:
 
 
 class _SumAcrossBreak(nn.Module):
-    """A sum over the batch (a partial value on each rank) carried across a graph break."""
+    """A reduction over the batch (a partial value on each rank: a sum, a mean, a norm) carried across
+    a graph break."""
 
-    def __init__(self):
+    def __init__(self, reduction: str = "sum"):
         super().__init__()
         self.a, self.c = nn.Linear(4, 3), nn.Linear(3, 2)
+        self.reduction = reduction
 
     def forward(self, x):
         h = self.a(x)
-        s = h.sum(0)
+        s = {"sum": lambda: h.sum(0), "mean": lambda: h.mean(0), "norm": lambda: h.norm()}[self.reduction]()
         torch._dynamo.graph_break()  # a print() or a logging call does the same
         return self.c(h + s)
 
 
-def sum_across_break_worker(rank: int, world: int) -> dict:
+def sum_across_break_worker(rank: int, world: int, reduction: str = "sum") -> dict:
     """:class:`_SumAcrossBreak` under DDP: outputs and gradients beside one device's."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
-    model = _SumAcrossBreak()
+    model = _SumAcrossBreak(reduction)
     reference = copy.deepcopy(model)
     spmd.parallelize(model, mesh, spmd.DDP())
     compiled = torch.compile(model, backend="spmd", options={"mesh": mesh, "plan": spmd.DDP()})

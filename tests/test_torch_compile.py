@@ -267,12 +267,14 @@ def test_an_output_not_split_over_the_ranks_is_its_full_value(plan):
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
 
 
-def test_a_sum_over_the_batch_across_a_graph_break_gets_one_devices_gradient():
-    """A partial value (a sum over the batch) leaving one graph for the next at a break: its gradient
-    came back declared partial too, and was summed over the ranks again: the first layer's gradient
-    was W times one device's, silently (HF Llama with num_items_in_batch and a printing forward hook:
-    lm_head's gradient norm 1.4724 where one device had 0.7362). It is replicated now."""
-    for r in run_local(compile_cases.sum_across_break_worker, 2, timeout_s=300):
+@pytest.mark.parametrize("reduction", ["sum", "mean", "norm"])
+def test_a_reduction_over_the_batch_across_a_graph_break_gets_one_devices_gradient(reduction):
+    """A partial value (a reduction over the batch) leaving one graph for the next at a break. A sum's
+    gradient came back declared partial too, and was summed over the ranks again: the first layer's
+    gradient was W times one device's, silently (HF Llama with num_items_in_batch and a printing
+    forward hook: lm_head's gradient norm 1.4724 where one device had 0.7362); a mean or a norm stopped
+    with a PlacementError (S(0) to P(avg); P(sum) to _NormP(2)). Partial values leave a graph reduced."""
+    for r in run_local(compile_cases.sum_across_break_worker, 2, reduction, timeout_s=300):
         for got, ref in zip(r["grads"], r["ref_grads"]):
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
 
