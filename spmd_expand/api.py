@@ -274,7 +274,10 @@ class CompiledStep:
         return roles, specs, placements, locals_
 
     # ------------------------------------------------------------------ compile
-    def _compile(self, args, kwargs, model, optimizer, roles, specs, placements, example_inputs, float_args, tensor_constants) -> StepArtifacts:
+    def _compile(
+        self, args, kwargs, model, optimizer, roles, specs, placements, example_inputs, float_args, tensor_constants,
+        grad_enabled: bool = True,
+    ) -> StepArtifacts:
         params = dict(model.named_parameters())
         plan = self._resolved
         sync = self.requires_gradient_sync
@@ -293,6 +296,7 @@ class CompiledStep:
             timeout=self.timeout,
             float_args=float_args,
             tensor_constants=tensor_constants,
+            grad_enabled=grad_enabled,
         )
 
     def prepare(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
@@ -547,7 +551,10 @@ class CompiledStep:
                         f"prefer foreach=True"
                     )
                 else:
-                    why = last.python_guards.check()
+                    # This runs under no_grad (the graph writes state in place); a guard may read the
+                    # caller's grad mode (trace._grad_mode_guard).
+                    with torch.set_grad_enabled(grad_enabled):
+                        why = last.python_guards.check()
                 warnings.warn(
                     f"spmd.compile: compiling {getattr(self.fn, '__name__', 'the step')} again ({len(sel.compiled) + 1} "
                     f"graphs for this step): {why}",
@@ -556,7 +563,8 @@ class CompiledStep:
             else:
                 # A new cache entry. When a Python value the last graph read changed (a float attribute
                 # set where there was none, which makes it a graph input: another entry), say so.
-                changed = self._binding.artifacts.traced.python_guards.check() if self._binding is not None else None
+                with torch.set_grad_enabled(grad_enabled):  # as above
+                    changed = self._binding.artifacts.traced.python_guards.check() if self._binding is not None else None
                 if changed is not None:
                     warnings.warn(
                         f"spmd.compile: compiling {getattr(self.fn, '__name__', 'the step')} again: {changed}",
@@ -569,7 +577,7 @@ class CompiledStep:
             try:
                 artifacts = self._compile(
                     args, kwargs, model, optimizer, sel.roles, sel.specs, sel.placements, sel.locals_ + values, float_args,
-                    sel.tensor_constants,
+                    sel.tensor_constants, grad_enabled,
                 )
             except (TraceError, UnsupportedOpError, PlacementError, PassError) as e:
                 # A stage failed on the graph (not the ranks' agreement or a collective, which tracing

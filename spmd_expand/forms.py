@@ -8,7 +8,9 @@ stop or go wrong:
   channels-last result with ``as_strided_``), ``F.embedding_bag`` over fixed-size bags, ``F.bilinear``
   (``_trilinear``), a matrix's ``fill_diagonal_`` (``as_strided``);
 * an op whose backward needs a concrete batch size: ``F.affine_grid``;
-* an op whose traced form in torch 2.13 is wrong: ``F.multilabel_margin_loss``.
+* an op whose traced form in torch 2.13 is wrong: ``F.multilabel_margin_loss``;
+* a fast path the trace cannot take: ``nn.TransformerEncoder``'s nested-tensor path in evaluation
+  (:func:`encoder_nested_fast_path`, a patched ``forward`` rather than a torch-function form).
 
 :func:`equal_valued_form` picks the form; ``trace._StepMode`` uses it while ``spmd.compile`` traces the
 step, and :class:`EqualForms` applies it around a parallelized model's forward under
@@ -22,11 +24,14 @@ import contextlib
 import functools
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+import copy
+
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["EqualForms", "equal_valued_form", "equal_forms_patched"]
+__all__ = ["EqualForms", "encoder_nested_fast_path", "equal_valued_form", "equal_forms_patched"]
 
 # The functions the forms answer, as torch defines them (``equal_forms_patched`` replaces the attributes
 # for a while; the forms compare calls with these).
@@ -289,3 +294,94 @@ def equal_forms_patched() -> Iterator[None]:
                 setattr(owner, name, _ORIGINAL[name])
             else:
                 delattr(owner, name)
+
+
+# ------------------------------------------------------------------ nn.TransformerEncoder's fast path
+_ENCODER_FORWARD = nn.TransformerEncoder.forward
+
+
+def _takes_nested_path(encoder: nn.TransformerEncoder, src: Any, mask: Any, padding_mask: Any, grad_enabled: bool, consulted: list) -> bool:
+    """Whether one device's ``encoder(src, mask, src_key_padding_mask=padding_mask)`` would run on a
+    nested tensor: the conditions of torch 2.13's ``TransformerEncoder.forward`` (torch/nn/modules/
+    transformer.py) except its data-dependent mask check (:func:`encoder_nested_fast_path` makes that
+    one a graph value) and its ``has_torch_function`` test, which every trace meets (its modes are
+    active) and one device's plain tensors do not.
+
+    Grad mode inside the trace is on unless the step turned it off; where that decides, the caller's
+    ``grad_enabled`` does, and ``consulted`` records it (the graph then depends on the call's grad mode).
+    """
+    layers = getattr(encoder, "layers", None)
+    if not isinstance(src, torch.Tensor) or not layers or not isinstance(padding_mask, torch.Tensor):
+        return False
+    first = layers[0]
+    if not (torch.backends.mha.get_fastpath_enabled() and getattr(encoder, "use_nested_tensor", False)):
+        return False
+    if first.training or src.dim() != 3 or src.is_nested or mask is not None or torch.is_autocast_enabled():
+        return False
+    supported = ("cpu", "cuda", "xpu", torch.utils.backend_registration._privateuse1_backend_name)
+    if src.device.type not in supported:
+        return False
+    attn = first.self_attn
+    tensors = (
+        src, attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight, attn.out_proj.bias,
+        first.norm1.weight, first.norm1.bias, first.norm2.weight, first.norm2.bias,
+        first.linear1.weight, first.linear1.bias, first.linear2.weight, first.linear2.bias,
+    )
+    if any(not isinstance(t, torch.Tensor) for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        consulted.append(grad_enabled)
+        return not grad_enabled
+    return True
+
+
+@contextlib.contextmanager
+def encoder_nested_fast_path(grad_enabled: bool) -> Iterator[list]:
+    """``nn.TransformerEncoder.forward`` computing what one device's nested-tensor fast path returns,
+    while the step is traced; restored on exit. Yields the list of the caller's grad modes that decided
+    a call (empty: the graph does not depend on it).
+
+    In evaluation (the first layer in ``eval()``, no gradient needed, a ``src_key_padding_mask``, no
+    ``mask``, batch-first layers) one device runs the encoder on a nested tensor of each sample's
+    tokens and pads the result with zeros, before the final ``norm``: a padded position comes out as
+    ``norm(0)``, where the regular path (the only one a trace can take: torch leaves the fast path when a
+    torch-function mode is active) computes a value there. A mean over every position (an unmasked
+    pooling, a distillation loss against a frozen encoder) then differed from one device, silently.
+
+    Here the regular path runs and its padded positions are set to zero before ``norm``, as the nested
+    path does. The valid positions are the same values up to rounding (~5e-7). torch's own conditions are
+    :func:`_takes_nested_path`'s; its mask check (each sample's tokens first, padding after, over the
+    whole batch, when ``encoder.mask_check``) is a graph value that picks either result, and without it
+    the nested path reads each sample's first ``n`` tokens, ``n`` the count of unpadded ones, which is what
+    runs here too.
+    """
+    consulted: list = []
+
+    @functools.wraps(_ENCODER_FORWARD)
+    def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None):
+        if not _takes_nested_path(self, src, mask, src_key_padding_mask, grad_enabled, consulted):
+            return _ENCODER_FORWARD(self, src, mask, src_key_padding_mask, is_causal)
+        padding = F._canonical_mask(
+            mask=src_key_padding_mask, mask_name="src_key_padding_mask", other_type=None, other_name="mask",
+            target_type=src.dtype,
+        )
+        keep = padding.logical_not()  # (batch, seq): a sample's tokens
+        counts = keep.sum(1, keepdim=True)
+        first_tokens = torch.arange(keep.size(1), device=keep.device) < counts  # what the nested tensor holds
+        without_norm = copy.copy(self)
+        without_norm._modules = {**self._modules, "norm": None}
+        if getattr(self, "mask_check", True):
+            regular = _ENCODER_FORWARD(without_norm, src, mask, src_key_padding_mask, is_causal)
+            # torch's _nested_tensor_from_mask_left_aligned over the whole batch: no token after padding.
+            aligned = (keep[:, 1:] & ~keep[:, :-1]).sum() == 0
+            out = regular.masked_fill((~keep & aligned).unsqueeze(-1), 0.0)
+        else:
+            nested = _ENCODER_FORWARD(without_norm, src, mask, ~first_tokens, is_causal)
+            out = nested.masked_fill((~first_tokens).unsqueeze(-1), 0.0)
+        return self.norm(out) if self.norm is not None else out
+
+    nn.TransformerEncoder.forward = forward
+    try:
+        yield consulted
+    finally:
+        nn.TransformerEncoder.forward = _ENCODER_FORWARD

@@ -330,6 +330,7 @@ def expand_step(
     parameter_hooks: bool = True,
     float_args: Sequence[Any] = (),
     tensor_constants: Sequence[Any] = (),
+    grad_enabled: bool = True,
 ) -> StepArtifacts:
     """Run the stages up to the local passes (not lower) and return what they produced.
 
@@ -345,7 +346,8 @@ def expand_step(
     it reads from globals that are graph inputs (:func:`~spmd_expand.trace.float_arguments`,
     :func:`~spmd_expand.trace.step_float_constants`), after the optimizer's hyperparameters.
     ``tensor_constants``: the places of the tensors the step reads from elsewhere, whose inputs have
-    ``constant`` roles (:func:`~spmd_expand.trace.step_tensor_constants`).
+    ``constant`` roles (:func:`~spmd_expand.trace.step_tensor_constants`). ``grad_enabled``: the
+    caller's grad mode (see :func:`~spmd_expand.trace.trace_step`).
 
     Raises:
         TraceError, UnsupportedOpError, PlacementError, PassError: from the stage that failed.
@@ -356,6 +358,7 @@ def expand_step(
         traced = trace_step(
             fn, args, kwargs, model, optimizer, roles, specs, plan.module_layouts(), plan.mixed_precision(model),
             parameter_hooks=parameter_hooks, float_args=float_args, tensor_constants=tensor_constants,
+            grad_enabled=grad_enabled,
         )
     # The trace-time module swaps above are undone: bind the module reads to the model's own modules.
     traced.python_guards.bind(model)

@@ -65,6 +65,7 @@ from .python_values import (
     GlobalState,
     HeldModules,
     PythonGuards,
+    PythonValue,
     RandomStateUse,
     StateChange,
     StateWatch,
@@ -83,7 +84,7 @@ from .python_values import (
     user_optimizers,
 )
 from .errors import SpmdError, TraceError, in_torch_or_spmd_expand, node_error, user_source_line
-from .forms import equal_forms_patched, equal_valued_form
+from .forms import encoder_nested_fast_path, equal_forms_patched, equal_valued_form
 from .functionalize import functionalize_graph, list_functional_twin, written_values
 from .loss_parallel import MarkLossParallel
 from .plans import MixedPrecision, ParamCast
@@ -1231,6 +1232,7 @@ def trace_step(
     parameter_hooks: bool = True,
     float_args: Sequence[FloatArgument] = (),
     tensor_constants: Sequence[TensorConstant] = (),
+    grad_enabled: bool = True,
 ) -> TracedStep:
     """Trace ``fn(*args, **kwargs)`` into a functional global graph.
 
@@ -1248,6 +1250,9 @@ def trace_step(
         tensor_constants: the places of the tensors the step reads from elsewhere that are graph
             inputs (:func:`step_tensor_constants`): each has a ``constant`` input role labelled with
             its place, and its input stands in there while the step is traced.
+        grad_enabled: the caller's grad mode. The step is traced with gradients on; where one device's
+            code path depends on the caller's mode (:func:`~spmd_expand.forms.encoder_nested_fast_path`)
+            it takes this one, and the graph is guarded on it.
         input_roles / input_specs: one entry per graph input, with global shapes. Batch inputs
             (``kind == "batch"``, ``key`` = index among the tensor leaves of ``(args, kwargs)``) take
             the place of those leaves; param/buffer/grad/state inputs replace the model's and
@@ -1423,7 +1428,7 @@ def trace_step(
             # once per node by the tracer (stack_traces.py).
             with fx_traceback.preserve_node_meta(), RecordStackTraces(), MarkLossParallel(), \
                     torch.compiler._non_strict_tracing_context(), randomness, _onednn_off(), \
-                    torch.compiler.set_stance("force_eager"):
+                    torch.compiler.set_stance("force_eager"), encoder_nested_fast_path(grad_enabled) as grad_mode_reads:
                 autograd_graph = make_fx(step, tracing_mode="symbolic", record_stack_traces=True)(*fakes, *sym_values)
             _refuse_collectives(autograd_graph)
             _refuse_untraced_randomness(randomness)
@@ -1507,7 +1512,7 @@ def trace_step(
         _hyperparameter_guards(shape_env, symbols, hyperparameters, hints),
         PythonGuards(
             [v for v in code_reads(user_functions) + class_attribute_reads(user_functions, owners) + recorded[-1].values
-             if v.description not in lifted_floats],
+             if v.description not in lifted_floats] + _grad_mode_guard(grad_mode_reads, grad_enabled),
             global_state,
             recorded[-1].module_reads,
             CodeIdentity(user_functions, owners, [holder for _, holder in optimizer_state.holders(optimizer)] if optimizer is not None else []),
@@ -1518,6 +1523,13 @@ def trace_step(
         [(fqn, m.training) for fqn, m in model.named_modules() if modes_before.get(fqn) != m.training],
         python_writes,
     )
+
+
+def _grad_mode_guard(reads: Sequence[bool], grad_enabled: bool) -> list[PythonValue]:
+    """The call's grad mode as a guarded value, when a code path of the trace depended on it."""
+    if not reads:
+        return []
+    return [PythonValue("the grad mode of the call (torch.is_grad_enabled(): torch.no_grad() around it or not)", torch.is_grad_enabled, grad_enabled)]
 
 
 def _python_state_writes(traced: Mapping[str, Mapping[str, Any]], before: Mapping[str, Mapping[str, Any]]) -> list:

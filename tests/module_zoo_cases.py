@@ -10,6 +10,7 @@ UnsupportedOpError, never run wrong.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -441,3 +442,86 @@ def run_models(rank: int, world: int, plan: str, names: list[str]) -> dict:
         except Exception:  # noqa: BLE001 - reported per model by the test
             results[name] = {"error": traceback.format_exc()}
     return results
+
+
+# ------------------------------------------------------------------ TransformerEncoder's nested fast path
+def _encoder(mask_check: bool = True) -> nn.TransformerEncoder:
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(16), mask_check=mask_check)
+    with torch.no_grad():
+        encoder.norm.bias.normal_()  # norm(0) at a padded position is the bias: not zero
+    return encoder
+
+
+class _Distillation(nn.Module):
+    """A student trained against a frozen encoder (a teacher) over every position."""
+
+    def __init__(self):
+        super().__init__()
+        self.student = nn.Linear(16, 16)
+        self.teacher = _encoder().requires_grad_(False)
+
+
+def distillation_step(model, optimizer, x, pad):
+    model.teacher.eval()
+    with torch.no_grad():
+        target = model.teacher(x, src_key_padding_mask=pad)
+    loss = F.mse_loss(model.student(x), target)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def unmasked_pooling(model, x, pad):
+    return model(x, src_key_padding_mask=pad).square().mean()
+
+
+def encoder_fast_path_worker(rank: int, world: int, plan: str) -> dict:
+    """Worker: an eval-mode ``nn.TransformerEncoder`` with a padding mask, where one device runs torch's
+    nested-tensor path (zeros before ``norm`` at padded positions): a distillation step against it as a
+    frozen teacher, and an evaluation step called under ``no_grad`` (nested path), with gradients on
+    (regular path: a graph of its own), under ``no_grad`` again (the first graph), with left padding (the
+    mask check fails: regular path), and for an encoder without the mask check. Losses compiled and on
+    one device, and how many graphs the evaluation step compiled."""
+    import warnings
+
+    mesh = init_device_mesh("cpu", (world,))
+    style = spmd.FSDP() if plan == "fsdp" else spmd.DDP()
+    part = lambda t: t.chunk(world)[rank]  # noqa: E731
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 6, 16, generator=g)
+    lengths = torch.tensor([6, 4, 3, 5])
+    right = torch.arange(6)[None] >= lengths[:, None]  # tokens first, then padding
+    left = right.flip(1)
+    out: dict = {}
+
+    torch.manual_seed(0)
+    model = _Distillation()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.student.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.student.parameters(), lr=0.1)
+    step = spmd.compile(mesh=mesh, plan=style, lower="eager")(distillation_step)
+    out["distillation"] = (
+        [step(model, opt, part(x), part(right)).item() for _ in range(3)],
+        [distillation_step(reference, ref_opt, x, right).item() for _ in range(3)],
+    )
+    out["student"] = (_full(model.student.weight), reference.student.weight.detach().clone())
+
+    for name, mask_check in (("checked", True), ("unchecked", False)):
+        torch.manual_seed(0)
+        encoder = _encoder(mask_check).eval()
+        reference = copy.deepcopy(encoder)
+        evaluate = spmd.compile(mesh=mesh, plan=style, lower="eager")(unmasked_pooling)
+        calls = [("no_grad", right), ("grad", right), ("no_grad", right), ("no_grad", left)]
+        got, want = [], []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for mode, pad in calls:
+                context = torch.no_grad() if mode == "no_grad" else contextlib.nullcontext()
+                with context:
+                    got.append(evaluate(encoder, part(x), part(pad)).item())
+                    want.append(unmasked_pooling(reference, x, pad).item())
+        recompiles = [str(w.message) for w in caught if "compiling unmasked_pooling again" in str(w.message)]
+        out[name] = (got, want, recompiles)
+    return out

@@ -82,3 +82,22 @@ def test_embedding_bag_form_matches_torch(options):
         (ref_grad,) = torch.autograd.grad(ref, weight, g)
     torch.testing.assert_close(ours, ref)
     torch.testing.assert_close(grad, ref_grad)
+
+
+@pytest.mark.parametrize("plan", ["ddp", "fsdp"])
+def test_transformer_encoder_nested_fast_path(plan):
+    """One device's eval-mode TransformerEncoder with a padding mask runs on a nested tensor (padded
+    positions are norm(0)); the trace cannot take that path, so it computes what the path returns.
+    The evaluation step depends on the caller's grad mode (no_grad: nested path) and is guarded on it."""
+    for rank, out in enumerate(run_local(zoo.encoder_fast_path_worker, 2, plan, timeout_s=600)):
+        got, want = out["distillation"]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} distillation: {m}")
+        torch.testing.assert_close(*out["student"], rtol=1e-5, atol=1e-6)
+        for name in ("checked", "unchecked"):
+            got, want, recompiles = out[name]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")
+            # no_grad, grad (a second graph, guarded on the grad mode), no_grad (the first graph again)
+            # and left padding (a graph value under the same graph): one recompilation, naming grad mode.
+            assert len(recompiles) == 1 and "grad mode" in recompiles[0], recompiles
+        # The padded positions do change the value (the test can fail): nested and regular paths differ.
+        assert abs(out["checked"][1][0] - out["checked"][1][1]) > 1e-3
