@@ -7,7 +7,9 @@ import contextlib
 import os
 import re
 import unittest.mock
+import logging
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -23,7 +25,9 @@ from .rng import draws_random
 from .tensorify import tensorify_float_inputs
 from .watch import watch_collectives
 
-__all__ = ["LOWERINGS", "lower"]
+__all__ = ["LOWERINGS", "CollectiveHazard", "collective_hazard", "lower"]
+
+log = logging.getLogger(__name__)
 
 LOWERINGS = ("inductor", "eager")
 
@@ -176,43 +180,87 @@ def _generated_wrappers():
                 sources.append(f.read())
 
 
-_COLLECTIVE = re.compile(r"^\s*(buf\d+) = torch\.ops\._c10d_functional\.(\w+)\.default\(")
-_IN_PLACE_COLLECTIVE = re.compile(r"^\s*torch\.ops\._c10d_functional\.(\w+_)\.default\(\[?(buf\d+)")
+_CALL = re.compile(r"torch\.ops\._c10d_functional\.(\w+)\.default\((.*)\)\s*$")
+_ASSIGNED = re.compile(r"^\s*(buf\d+) = ")
+_OUT = re.compile(r"\bout=(buf\d+)")
 _WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((buf\d+)\)")
 _ALIAS = re.compile(r"^\s*(buf\d+) = (?:reinterpret_tensor\((buf\d+)\b.*# alias|(buf\d+)\[\d+\])\s*$")
+_REUSE = re.compile(r"^\s*(buf\d+) = (?:reinterpret_tensor\()?(buf\d+)\b.*# reuse\s*$")
 _BUFFER = re.compile(r"\bbuf\d+\b")
 
 
-def collective_read_before_wait(source: str) -> Optional[str]:
-    """In Inductor's wrapper code ``source``, the first line that reads a collective's output (or a
-    view of it) before its ``wait_tensor``, as ``"bufN (the output of <collective>) in <line>"``;
-    None where every read comes after the wait. A collective's output holds its data only once waited
-    (gloo writes it from its own thread), so such a read computes with whatever the buffer held."""
-    pending: dict[str, str] = {}  # buffer -> the collective that writes it, not yet waited
-    for line in source.splitlines():
+@dataclass(frozen=True)
+class CollectiveHazard:
+    """A line of Inductor's wrapper code that uses a collective's memory while gloo still uses it
+    (from its own thread, until the ``wait_tensor``): ``kind`` ``"read"``, a read of the collective's
+    output (or a view of it), which holds its data only once waited; ``"overwrite"``, the collective's
+    input buffer (or a buffer it is a view of) handed to another value (``bufN = bufM  # reuse``),
+    which the next kernel writes while the collective is still sending it."""
+
+    kind: str
+    buffer: str
+    collective: str
+    line: str
+
+    def __str__(self) -> str:
+        role = "output" if self.kind == "read" else "input"
+        what = "reads" if self.kind == "read" else "reuses the memory of"
+        return f"{what} {self.buffer} (the {role} of {self.collective}) before its wait, in `{self.line[:160]}`"
+
+
+def collective_hazard(source: str) -> Optional[CollectiveHazard]:
+    """The first :class:`CollectiveHazard` in Inductor's wrapper code ``source``, or None where every
+    collective's output is read and its input's memory reused only after its ``wait_tensor``.
+
+    Shape asserts, comments, ``del`` and views are not reads. Collectives are the
+    ``torch.ops._c10d_functional`` calls: a result assigned (``bufN = all_gather_into_tensor(...)``),
+    written to ``out=`` (the ``_out`` forms torch's bucketing merges into) or in place (``all_reduce_``).
+    """
+    pending: dict[str, tuple[str, int]] = {}  # output buffer (or a view of it) -> (collective, call)
+    sending: dict[str, tuple[str, int]] = {}  # input buffer (and what it is a view of) -> (collective, call)
+    base: dict[str, str] = {}  # a view -> the buffer it is a view of
+    for number, line in enumerate(source.splitlines()):
+        stripped = line.strip()
         wait = _WAIT.search(line)
         if wait:
-            pending.pop(wait.group(1), None)
+            _, call = pending.pop(wait.group(1), ("", -1))
+            if all(c != call for _, c in pending.values()):
+                sending = {b: v for b, v in sending.items() if v[1] != call}
             continue
-        issued = _COLLECTIVE.match(line)
+        issued = _CALL.search(line)
         if issued:
-            pending[issued.group(1)] = issued.group(2)
+            name, arguments = issued.groups()
+            inputs = _BUFFER.findall(arguments.split("out=")[0])
+            outputs = [m.group(1) for m in (_ASSIGNED.match(line), _OUT.search(arguments)) if m]
+            if name.endswith("_"):  # in place: its inputs are its outputs
+                outputs += inputs
+            for b in outputs:
+                pending[b] = (name, number)
+            for b in inputs if not name.endswith("_") else ():
+                while b is not None:
+                    sending[b] = (name, number)
+                    b = base.get(b)
             continue
-        issued = _IN_PLACE_COLLECTIVE.match(line)
-        if issued:
-            pending[issued.group(2)] = issued.group(1)
-            continue
-        stripped = line.strip()
-        if not pending or stripped.startswith(("assert_size_stride(", "assert_alignment(", "#", "del ")):
+        if stripped.startswith(("assert_size_stride(", "assert_alignment(", "#", "del ")):
             continue
         alias = _ALIAS.match(line)
-        if alias and (alias.group(2) or alias.group(3)) in pending:
-            pending[alias.group(1)] = pending[alias.group(2) or alias.group(3)]
+        if alias:
+            base[alias.group(1)] = alias.group(2) or alias.group(3)
+            if base[alias.group(1)] in pending:
+                pending[alias.group(1)] = pending[base[alias.group(1)]]
             continue
+        reuse = _REUSE.match(line)
+        if reuse and reuse.group(2) in sending:
+            return CollectiveHazard("overwrite", reuse.group(2), sending[reuse.group(2)][0], stripped)
         read = next((b for b in _BUFFER.findall(line) if b in pending), None)
         if read is not None:
-            return f"{read} (the output of {pending[read]}) in `{stripped[:160]}`"
+            return CollectiveHazard("read", read, pending[read][0], stripped)
     return None
+
+
+# Inductor's buffer planning without reuse: each buffer its own memory, so no collective's input is
+# handed to another value while it is in flight (see InductorStep).
+_NO_BUFFER_REUSE = {"allow_buffer_reuse": False, "inplace_buffers": False}
 
 
 class InductorStep:
@@ -252,15 +300,25 @@ class InductorStep:
         # Examples only (Inductor fakifies them). A call's are the DTensors' local tensors, views that
         # the step updated in place, whose autograd metadata the fakification cannot read: detached.
         inputs = [x.detach() if isinstance(x, torch.Tensor) else x for x in self._inputs(args)]
-        with inductor_config.patch(self._patches) if self._patches else contextlib.nullcontext(), _cacheable(inputs), \
-                _without_torch_tensorify(), _generated_wrappers() as sources:
-            compiled = compile_fx(copy_graph_module(self._gm), inputs)
-        misordered = next(filter(None, map(collective_read_before_wait, sources)), None)
-        if misordered is not None:
+
+        def compiled_and_hazard(patches: dict) -> tuple[Callable[..., list], Optional[CollectiveHazard]]:
+            with inductor_config.patch(patches) if patches else contextlib.nullcontext(), _cacheable(inputs), \
+                    _without_torch_tensorify(), _generated_wrappers() as sources:
+                compiled = compile_fx(copy_graph_module(self._gm), inputs)
+            return compiled, next(filter(None, map(collective_hazard, sources)), None)
+
+        compiled, hazard = compiled_and_hazard(self._patches)
+        if hazard is not None and hazard.kind == "overwrite":
+            # torch 2.13's Inductor frees a collective's input at the call (an `_out` all-gather of a
+            # bucket: the next bucket's copy kernel wrote it while gloo still sent it, nondeterministic
+            # losses under FSDP). Planned without buffer reuse, every input lives to the end.
+            log.info("Inductor's code %s: compiled again without buffer reuse", hazard)
+            compiled, hazard = compiled_and_hazard({**self._patches, **_NO_BUFFER_REUSE})
+        if hazard is not None:
             warnings.warn(
-                f"spmd.compile: Inductor's code for this graph reads {misordered}, i.e. before the "
-                f"collective's data has arrived (an Inductor scheduling error seen on CPU with torch 2.13); "
-                f"the graph runs eager instead (slower, the same values as one device). Please report it",
+                f"spmd.compile: Inductor's code for this graph {hazard}, i.e. while the collective still "
+                f"uses that memory (an Inductor scheduling error seen on CPU with torch 2.13); the graph runs "
+                f"eager instead (slower, the same values as one device). Please report it",
                 stacklevel=2,
             )
             compiled = self._gm
