@@ -160,7 +160,9 @@ def _wrap_forward(model: nn.Module, mesh: DeviceMesh, resolved: ResolvedPlan) ->
     """Make ``model.forward`` (an attribute of the instance) take local batch tensors and return local results.
 
     Inputs: each plain tensor becomes ``DTensor.from_local`` with the plan's batch placements; outputs:
-    each DTensor is redistributed to the batch placements, then ``to_local``. A wrapper of ``forward``
+    each DTensor with rows is redistributed to the batch placements (rows split on another dim stay
+    split there), one without (partial, or replicated with no dim of the global batch's size on the
+    batch dim) to replicated, then ``to_local``. A wrapper of ``forward``
     rather than forward hooks: ``torch.compile(model)`` runs a module's hooks outside Dynamo and
     compiles each hook as a graph of its own (three graphs per call, each with its own runtime and
     autograd node, and the loss's all-reduce alone in the last); the wrapper is traced in one frame
@@ -179,11 +181,20 @@ def _wrap_forward(model: nn.Module, mesh: DeviceMesh, resolved: ResolvedPlan) ->
         return {p.dim for p in resolved.batch_placements(t) if isinstance(p, Shard) and p.dim < t.dim()}
 
     def to_local(t: DTensor, batch_sizes: set[int]) -> torch.Tensor:
-        # An output with no dim of the global batch's size on the batch dim, split nowhere (a statistic
-        # over the batch, a scalar, a value of parameters alone), has no rows of this rank: its full
-        # value, as one device's. Others: this rank's rows (a replicated one too).
-        rows = any(p.is_shard() for p in t.placements) or any(t.shape[d] in batch_sizes for d in batch_dims(t))
-        return t.redistribute(mesh, resolved.batch_placements(t) if rows else [Replicate()] * mesh.ndim).to_local()
+        # An output split nowhere has no rows of this rank: its full value, as one device's. A partial
+        # one is a reduction over the ranks' rows (a statistic over the batch, `h.mean(0)`), whatever its
+        # size; a replicated one with no dim of the global batch's size on the batch dim (a scalar, a
+        # value of parameters alone) too. Others: this rank's rows (a replicated one too: rows every
+        # rank computed for the whole batch).
+        rows = any(p.is_shard() for p in t.placements) or (
+            not any(p.is_partial() for p in t.placements) and any(t.shape[d] in batch_sizes for d in batch_dims(t))
+        )
+        if not rows:
+            return t.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
+        # Rows split on another dim than the plan's batch dim (a batch-first input's sequence-first
+        # output, `(T, B, C)`: Shard(1)) stay split there: this rank's rows, as the next op expects them.
+        wanted = resolved.batch_placements(t)
+        return t.redistribute(mesh, [p if p.is_shard() and w.is_shard() else w for p, w in zip(t.placements, wanted)]).to_local()
 
     @functools.wraps(class_forward)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -845,6 +856,28 @@ class _Runtime:
         self.grad_index = grad_index  # per tensor argument: index among the backward outputs, or None
         self._forward: Optional[Callable] = None
         self._backward: Optional[Callable] = None
+        self._reached: dict[frozenset, frozenset] = {}
+
+    def gradients_reached(self, present: frozenset) -> frozenset:
+        """The backward graph's outputs that depend on a tangent in ``present`` (indices among the
+        differentiable outputs). The others are gradients of outputs that no loss used: zero, where
+        eager autograd computes none (the parameter's ``.grad`` stays None; an optimizer skips it).
+        Read off the traced single-device graph: the local one joins every gradient in its buckets."""
+        if present not in self._reached:
+            traced = self.artifacts.step.traced
+            graph = traced.graph_module.graph
+            placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+            n_roles = len(traced.inputs)  # the tangents are the last inputs (expand_joint's roles)
+            tangents = placeholders[n_roles - len(self.diff_outputs):n_roles]
+            live = {t for j, t in enumerate(tangents) if j in present}
+            for node in graph.nodes:
+                if node.op != "placeholder" and any(i in live for i in node.all_input_nodes):
+                    live.add(node)
+            returned = graph.output_node().args[0][len(self.outputs):]
+            self._reached[present] = frozenset(
+                k for k, v in enumerate(returned) if isinstance(v, torch.fx.Node) and v in live
+            )
+        return self._reached[present]
 
     @classmethod
     def build(cls, compiler, artifacts: JointArtifacts, slots, outputs, diff_outputs, grad_inputs) -> "_Runtime":
@@ -910,6 +943,8 @@ class _SpmdFunction(torch.autograd.Function):
         outs = tuple(results[:n])
         ctx.runtime = runtime
         ctx.saved = results[n:]
+        # An output no loss used gets no gradient (None, not zeros): see _Runtime.gradients_reached.
+        ctx.set_materialize_grads(False)
         ctx.out_meta = [(o.shape, o.dtype, o.device) for o in outs]
         nondiff = [o for o, spec in zip(outs, runtime.outputs) if not spec.differentiable]
         if nondiff:
@@ -926,9 +961,13 @@ class _SpmdFunction(torch.autograd.Function):
             tangents.append(torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous())
         saved, ctx.saved = ctx.saved, None
         results = runtime.run_backward([*saved, *tangents])
+        present = frozenset(j for j, i in enumerate(runtime.diff_outputs) if grads[i] is not None)
+        # Every rank runs the whole graph (its collectives) above; a gradient of unused outputs only is
+        # then none, as eager autograd gives none (AdamW would decay a parameter one device leaves alone).
+        reached = runtime.gradients_reached(present) if len(present) < len(runtime.diff_outputs) else None
         grads = []
         for k, spec in zip(runtime.grad_index, ctx.specs):
-            if k is None:
+            if k is None or (reached is not None and k not in reached):
                 grads.append(None)
             elif spec is None:
                 grads.append(results[k])

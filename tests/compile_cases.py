@@ -301,26 +301,27 @@ def eager_gradient_worker(rank: int, world: int) -> dict:
 
 
 class _WithStatistic(nn.Module):
-    """Returns batch rows (logits) and a statistic over the batch (a [5] mean): not rows of a rank."""
+    """Returns batch rows (logits) and a statistic over the batch (a [width] mean): not rows of a rank."""
 
-    def __init__(self):
+    def __init__(self, width: int = 5):
         super().__init__()
-        self.a, self.c = nn.Linear(4, 5), nn.Linear(5, 2)
+        self.a, self.c = nn.Linear(4, width), nn.Linear(width, 2)
 
     def forward(self, x):
         h = torch.tanh(self.a(x))
         return self.c(h), h.mean(0)
 
 
-def statistic_output_worker(rank: int, world: int, plan_name: str) -> dict:
-    """A compiled model's output that is not split over the ranks (a batch statistic), used in each
-    rank's loss: its value and the gradients, beside one device over the global batch."""
+def statistic_output_worker(rank: int, world: int, plan_name: str, width: int = 5) -> dict:
+    """A compiled model's output that is not split over the ranks (a batch statistic of ``width``
+    features; the global batch is 8 rows), used in each rank's loss: its value and the gradients,
+    beside one device over the global batch."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
     plan = spmd.DDP() if plan_name == "ddp" else spmd.FSDP()
     torch.manual_seed(0)
-    model = _WithStatistic()
+    model = _WithStatistic(width)
     reference = copy.deepcopy(model)
     spmd.parallelize(model, mesh, plan)
     compiled = torch.compile(model, backend="spmd", options={"mesh": mesh, "plan": plan})
@@ -333,6 +334,97 @@ def statistic_output_worker(rank: int, world: int, plan_name: str) -> dict:
     return {
         "statistic": statistic.detach(), "ref_statistic": ref_statistic.detach(),
         "grads": [p.grad.full_tensor() for p in model.parameters()], "ref_grads": [p.grad for p in reference.parameters()],
+    }
+
+
+class _SequenceFirstOutput(nn.Module):
+    """Batch-first input ``(B, T, F)``, sequence-first log-probabilities ``(T, B, C)`` out, as a CTC
+    model returns them for ``F.ctc_loss``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.c = nn.Linear(6, 16), nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.a(x))).transpose(0, 1).log_softmax(-1)
+
+
+def sequence_first_output_worker(rank: int, world: int, plan_name: str, loss: str) -> dict:
+    """The user's loop over :class:`_SequenceFirstOutput`'s local result: an NLL over every time step,
+    or a CTC loss (targets of each sample); local output shapes, losses averaged over the ranks (per
+    the DDP convention, a per-rank mean's mean), gradients, and one device's over the global batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    plan = spmd.DDP() if plan_name == "ddp" else spmd.FSDP()
+    torch.manual_seed(0)
+    model = _SequenceFirstOutput()
+    reference = copy.deepcopy(model)
+    spmd.parallelize(model, mesh, plan)
+    compiled = torch.compile(model, backend="spmd", options={"mesh": mesh, "plan": plan, "lower": "eager"})
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 8, 6, generator=g), torch.randint(1, 5, (4, 8), generator=g)
+    targets = torch.randint(1, 5, (4, 3), generator=g)
+
+    def loss_of(logp, y, targets):
+        if loss == "ctc":
+            n = logp.shape[1]
+            return F.ctc_loss(logp, targets, torch.full((n,), 8), torch.full((n,), 3))
+        return F.nll_loss(logp.flatten(0, 1), y.transpose(0, 1).flatten())
+
+    part = lambda t: t.chunk(world)[rank]  # noqa: E731
+    out = compiled(part(x))
+    local_loss = loss_of(out, part(y), part(targets))
+    local_loss.backward()
+    ref_loss = loss_of(reference(x), y, targets)
+    ref_loss.backward()
+    return {
+        "shape": tuple(out.shape), "loss": local_loss.detach(), "ref_loss": ref_loss.detach(),
+        "grads": [p.grad.full_tensor() for p in model.parameters()], "ref_grads": [p.grad for p in reference.parameters()],
+    }
+
+
+class _TwoHeads(nn.Module):
+    """Two task heads over one body; a multi-task loop trains one head per step."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head_a, self.head_b = nn.Linear(8, 16), nn.Linear(16, 4), nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return self.head_a(h), self.head_b(h)
+
+
+def alternating_heads_worker(rank: int, world: int, plan_name: str) -> dict:
+    """The loop's loss reads one head's output per step (the other is returned, unused), AdamW with
+    weight decay: whether the unused head got a gradient, and the parameters, beside one device."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    plan = spmd.DDP() if plan_name == "ddp" else spmd.FSDP()
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    reference = copy.deepcopy(model)
+    spmd.parallelize(model, mesh, plan)
+    compiled = torch.compile(model, backend="spmd", options={"mesh": mesh, "plan": plan, "lower": "eager"})
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (model, reference)]
+    part = lambda t: t.chunk(world)[rank]  # noqa: E731
+    unused_grads = []
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        x, a, b = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g), torch.randint(0, 3, (8,), generator=g)
+        for run, optimizer, batch in ((compiled, optimizers[0], (part(x), part(a), part(b))), (reference, optimizers[1], (x, a, b))):
+            out_a, out_b = run(batch[0])
+            loss = F.cross_entropy(out_a, batch[1]) if step % 2 == 0 else F.cross_entropy(out_b, batch[2])
+            loss.backward()
+            if step == 0:  # head_b's output was not used
+                unused_grads.append((model if run is compiled else reference).head_b.weight.grad is None)
+            optimizer.step()
+            optimizer.zero_grad()
+    return {
+        "unused_grad_none": unused_grads,
+        "params": [p.full_tensor().detach() for p in model.parameters()], "ref_params": [p.detach() for p in reference.parameters()],
     }
 
 

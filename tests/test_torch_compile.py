@@ -255,16 +255,46 @@ def test_gradient_of_eager_dtensor_code_is_reduced_per_plan():
         assert len(r["warnings"]) == 1
 
 
+@pytest.mark.parametrize("width", [5, 8])
 @pytest.mark.parametrize("plan", ["ddp", "fsdp"])
-def test_an_output_not_split_over_the_ranks_is_its_full_value(plan):
+def test_an_output_not_split_over_the_ranks_is_its_full_value(plan, width):
     """A statistic over the batch returned by the compiled model (``h.mean(0)``, shape [5]) was
     redistributed to the batch's placement like rows: each rank got a slice of it ([3] and [2]), and
     a loss on it differed from one device's, silently. An output split nowhere now returns its full
-    value (as a scalar did), and its gradient matches one device's."""
-    for r in run_local(compile_cases.statistic_output_worker, 2, plan, timeout_s=300):
+    value (as a scalar did), and its gradient matches one device's. Also when its width is the global
+    batch's size (8): a partial value is a reduction over the rows, whatever its size (it was split
+    like rows: [4] on each rank, losses 18-42% off)."""
+    for r in run_local(compile_cases.statistic_output_worker, 2, plan, width, timeout_s=300):
         torch.testing.assert_close(r["statistic"], r["ref_statistic"])
         for got, ref in zip(r["grads"], r["ref_grads"]):
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss", ["nll", "ctc"])
+@pytest.mark.parametrize("plan", ["ddp", "fsdp"])
+def test_a_sequence_first_output_keeps_its_split_dim(plan, loss):
+    """A batch-first input and a sequence-first output ``(T, B, C)`` (a CTC model's log-probabilities):
+    the output, split on dim 1, was redistributed to the plan's Shard(0), so each rank got half the time
+    steps of every sample ((4, 4, 5) instead of (8, 2, 5)): an NLL paired them with the wrong targets
+    (losses 1.7156 vs 1.5769, silently) and ctc_loss raised a raw RuntimeError. Rows stay on their dim."""
+    per_rank = run_local(compile_cases.sequence_first_output_worker, 2, plan, loss, timeout_s=300)
+    torch.testing.assert_close(sum(r["loss"] for r in per_rank) / len(per_rank), per_rank[0]["ref_loss"])
+    for r in per_rank:
+        assert r["shape"] == (8, 2, 5)
+        for got, ref in zip(r["grads"], r["ref_grads"]):
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("plan", ["ddp", "fsdp"])
+def test_an_output_no_loss_uses_gives_its_parameters_no_gradient(plan):
+    """A multi-task loop training one of two heads per step: the unused head's parameters got zero
+    gradients (the backward graph ran with zero tangents), where eager autograd gives none, so AdamW
+    decayed them and moved their moments: head_a's weight ended 1.2e-2 off one device, silently (stock
+    torch.compile does the same on one device). A gradient no used output reaches is None now."""
+    for r in run_local(compile_cases.alternating_heads_worker, 2, plan, timeout_s=300):
+        assert r["unused_grad_none"] == [True, True]
+        for got, ref in zip(r["params"], r["ref_params"]):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean", "norm"])
