@@ -1846,6 +1846,13 @@ def _trace_failure_hint(kind: str, message: str, data_dependent: bool, library: 
             "tensor values that one compiled graph cannot take; autocast to bfloat16 (no loss scaling "
             "needed) or scale the loss by a constant and divide the gradients by it before optimizer.step()"
         )
+    if data_dependent and "torch/optim/swa_utils.py" in library:
+        return (
+            "torch.optim.swa_utils.AveragedModel.update_parameters() copies the parameters on its first call "
+            "and averages after (a branch on its n_averaged tensor), which one compiled graph cannot take; call "
+            "averaged.update_parameters(model) after the compiled step, or keep the average as buffers the step "
+            "updates in place (`with torch.no_grad(): ema_p.lerp_(p, 1 - decay)`)"
+        )
     if data_dependent and "torch/nn/utils/clip_grad.py" in library:
         return (
             "clip_grad_norm_(..., error_if_nonfinite=True) raises when the total norm is inf/NaN, a branch "
