@@ -183,7 +183,7 @@ def _generated_wrappers():
 _CALL = re.compile(r"torch\.ops\._c10d_functional\.(\w+)\.default\((.*)\)\s*$")
 _ASSIGNED = re.compile(r"^\s*(buf\d+) = ")
 _OUT = re.compile(r"\bout=(buf\d+)")
-_WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((buf\d+)\)")
+_WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((?:reinterpret_tensor\()?(buf\d+)\b")
 _ALIAS = re.compile(r"^\s*(buf\d+) = (?:reinterpret_tensor\((buf\d+)\b.*# alias|(buf\d+)\[\d+\])\s*$")
 _REUSE = re.compile(r"^\s*(buf\d+) = (?:reinterpret_tensor\()?(buf\d+)\b.*# reuse\s*$")
 _BUFFER = re.compile(r"\bbuf\d+\b")

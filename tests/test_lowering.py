@@ -264,6 +264,18 @@ def test_a_collective_input_reused_before_its_wait_is_found():
     read_out = waited_first.replace(wait, "    cpp_fused_mul_3(buf0, buf5)\n" + wait)
     read = collective_hazard(read_out)
     assert read is not None and (read.kind, read.buffer) == ("read", "buf0"), read
+    # A collective in place on a view of a buffer, waited through a view of it (a row-parallel matmul's
+    # all-reduce): the wait covers the buffer, so a read after it is no hazard.
+    view_waited = """
+def call(self, args):
+    buf0 = empty_strided_cpu((32, 32), (32, 1), torch.float32)
+    extern_kernels.mm(arg0_1, arg1_1, out=buf0)
+    torch.ops._c10d_functional.all_reduce_.default(reinterpret_tensor(buf0, (4, 8, 32), (256, 32, 1), 0), 'sum', '0')
+    torch.ops._c10d_functional.wait_tensor.default(reinterpret_tensor(buf0, (4, 8, 32), (256, 32, 1), 0))
+    cpp_fused_add_0(buf0, buf1)
+"""
+    assert collective_hazard(view_waited) is None
+    assert collective_hazard(view_waited.replace("    torch.ops._c10d_functional.wait_tensor", "    cpp_fused_mul_1(buf0, buf2)\n    torch.ops._c10d_functional.wait_tensor")).buffer == "buf0"
     # An input that is a view: the buffer it views is in flight too.
     viewed = _OVERWRITE_BEFORE_WAIT.replace(
         "all_gather_into_tensor_out.default(buf1,", "all_gather_into_tensor_out.default(buf9,"
