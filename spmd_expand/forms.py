@@ -21,10 +21,9 @@ replaces and why; the module-zoo and loss tests compare them with one device.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from typing import Any, Callable, Iterator, Optional, Sequence
-
-import copy
 
 import torch
 import torch.nn as nn

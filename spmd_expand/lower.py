@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import os
 import re
 import unittest.mock
-import logging
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
