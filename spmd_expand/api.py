@@ -552,7 +552,7 @@ class CompiledStep:
                     )
                 else:
                     # This runs under no_grad (the graph writes state in place); a guard may read the
-                    # caller's grad mode (trace._grad_mode_guard).
+                    # caller's grad mode (trace._switch_guards).
                     with torch.set_grad_enabled(grad_enabled):
                         why = last.python_guards.check()
                 warnings.warn(

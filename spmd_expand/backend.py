@@ -160,9 +160,11 @@ def _wrap_forward(model: nn.Module, mesh: DeviceMesh, resolved: ResolvedPlan) ->
     """Make ``model.forward`` (an attribute of the instance) take local batch tensors and return local results.
 
     Inputs: each plain tensor becomes ``DTensor.from_local`` with the plan's batch placements; outputs:
-    each DTensor with rows is redistributed to the batch placements (rows split on another dim stay
-    split there), one without (partial, or replicated with no dim of the global batch's size on the
-    batch dim) to replicated, then ``to_local``. A wrapper of ``forward``
+    each DTensor with rows (split, or with a dim of the global batch's size on the batch dim) is
+    redistributed to the batch placements (rows split on another dim stay split there), one without
+    to replicated, then ``to_local``. A placement cannot tell rows every rank computed from a statistic
+    of the batch's width: an output split nowhere, with the batch's size and fewer dims than the batch,
+    is taken as rows with a warning. A wrapper of ``forward``
     rather than forward hooks: ``torch.compile(model)`` runs a module's hooks outside Dynamo and
     compiles each hook as a graph of its own (three graphs per call, each with its own runtime and
     autograd node, and the loss's all-reduce alone in the last); the wrapper is traced in one frame
@@ -180,15 +182,24 @@ def _wrap_forward(model: nn.Module, mesh: DeviceMesh, resolved: ResolvedPlan) ->
     def batch_dims(t: torch.Tensor) -> set[int]:
         return {p.dim for p in resolved.batch_placements(t) if isinstance(p, Shard) and p.dim < t.dim()}
 
-    def to_local(t: DTensor, batch_sizes: set[int]) -> torch.Tensor:
-        # An output split nowhere has no rows of this rank: its full value, as one device's. A partial
-        # one is a reduction over the ranks' rows (a statistic over the batch, `h.mean(0)`), whatever its
-        # size; a replicated one with no dim of the global batch's size on the batch dim (a scalar, a
-        # value of parameters alone) too. Others: this rank's rows (a replicated one too: rows every
-        # rank computed for the whole batch).
-        rows = any(p.is_shard() for p in t.placements) or (
-            not any(p.is_partial() for p in t.placements) and any(t.shape[d] in batch_sizes for d in batch_dims(t))
-        )
+    def to_local(t: DTensor, batch_sizes: set[int], batch_ndim: int) -> torch.Tensor:
+        # An output with no dim of the global batch's size on the batch dim, split nowhere (a statistic
+        # over the batch, a scalar, a value of parameters alone), has no rows of this rank: its full
+        # value, as one device's. Others: this rank's rows (a replicated or partial one too: rows every
+        # rank computed for the whole batch, `torch.sort(h, 0)`, `h - h.mean(0, keepdim=True)`).
+        split = any(p.is_shard() for p in t.placements)
+        rows = split or any(t.shape[d] in batch_sizes for d in batch_dims(t))
+        if rows and not split and t.dim() < batch_ndim:
+            # Fewer dims than the batch and split nowhere: likely a statistic over the batch whose width
+            # is the global batch's size (`h.var(0)` of B features). Its placements cannot tell.
+            warnings.warn(
+                f"torch.compile(backend=\"spmd\"): an output of {type(model).__name__}.forward of shape "
+                f"{tuple(t.shape)} is split over no rank ({tuple(t.placements)}) and has the global batch's size "
+                f"on its batch dim: it is returned as this rank's rows of it. If it is a statistic over the batch whose "
+                f"width happens to equal the global batch size, each rank gets a slice of it instead of its full "
+                f"value: give it another size, or compute it from the rows outside the compiled model",
+                stacklevel=2,
+            )
         if not rows:
             return t.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
         # Rows split on another dim than the plan's batch dim (a batch-first input's sequence-first
@@ -200,10 +211,12 @@ def _wrap_forward(model: nn.Module, mesh: DeviceMesh, resolved: ResolvedPlan) ->
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         _require_compiling()
         args, kwargs = pytree.tree_map_only(torch.Tensor, to_dtensor, (args, kwargs))
-        batch_sizes = {t.shape[d] for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, DTensor) for d in batch_dims(t)}
+        batch = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, DTensor) and batch_dims(t)]
+        batch_sizes = {t.shape[d] for t in batch for d in batch_dims(t)}
+        batch_ndim = min((t.dim() for t in batch), default=0)
         with EqualForms():
             output = inner(*args, **kwargs) if inner is not None else class_forward(self, *args, **kwargs)
-        return pytree.tree_map_only(DTensor, functools.partial(to_local, batch_sizes=batch_sizes), output)
+        return pytree.tree_map_only(DTensor, functools.partial(to_local, batch_sizes=batch_sizes, batch_ndim=batch_ndim), output)
 
     model.forward = types.MethodType(forward, model)
 

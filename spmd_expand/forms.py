@@ -299,7 +299,7 @@ def equal_forms_patched() -> Iterator[None]:
 _ENCODER_FORWARD = nn.TransformerEncoder.forward
 
 
-def _takes_nested_path(encoder: nn.TransformerEncoder, src: Any, mask: Any, padding_mask: Any, grad_enabled: bool, consulted: list) -> bool:
+def _takes_nested_path(encoder: nn.TransformerEncoder, src: Any, mask: Any, padding_mask: Any, grad_enabled: bool, consulted: dict) -> bool:
     """Whether one device's ``encoder(src, mask, src_key_padding_mask=padding_mask)`` would run on a
     nested tensor: the conditions of torch 2.13's ``TransformerEncoder.forward`` (torch/nn/modules/
     transformer.py) except its data-dependent mask check (:func:`encoder_nested_fast_path` makes that
@@ -307,13 +307,16 @@ def _takes_nested_path(encoder: nn.TransformerEncoder, src: Any, mask: Any, padd
     active) and one device's plain tensors do not.
 
     Grad mode inside the trace is on unless the step turned it off; where that decides, the caller's
-    ``grad_enabled`` does, and ``consulted`` records it (the graph then depends on the call's grad mode).
+    ``grad_enabled`` does. ``consulted`` records the global switches read (``"grad_mode"``,
+    ``"mha_fastpath"``: ``torch.backends.mha.get_fastpath_enabled()``) and their values: the graph
+    depends on them. (The encoder's own settings are module attributes, guarded as the trace reads them.)
     """
     layers = getattr(encoder, "layers", None)
     if not isinstance(src, torch.Tensor) or not layers or not isinstance(padding_mask, torch.Tensor):
         return False
     first = layers[0]
-    if not (torch.backends.mha.get_fastpath_enabled() and getattr(encoder, "use_nested_tensor", False)):
+    consulted["mha_fastpath"] = torch.backends.mha.get_fastpath_enabled()
+    if not (consulted["mha_fastpath"] and getattr(encoder, "use_nested_tensor", False)):
         return False
     if first.training or src.dim() != 3 or src.is_nested or mask is not None or torch.is_autocast_enabled():
         return False
@@ -329,16 +332,16 @@ def _takes_nested_path(encoder: nn.TransformerEncoder, src: Any, mask: Any, padd
     if any(not isinstance(t, torch.Tensor) for t in tensors):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        consulted.append(grad_enabled)
+        consulted["grad_mode"] = grad_enabled
         return not grad_enabled
     return True
 
 
 @contextlib.contextmanager
-def encoder_nested_fast_path(grad_enabled: bool) -> Iterator[list]:
+def encoder_nested_fast_path(grad_enabled: bool) -> Iterator[dict]:
     """``nn.TransformerEncoder.forward`` computing what one device's nested-tensor fast path returns,
-    while the step is traced; restored on exit. Yields the list of the caller's grad modes that decided
-    a call (empty: the graph does not depend on it).
+    while the step is traced; restored on exit. Yields the global switches the choice read and their
+    values (:func:`_takes_nested_path`; empty: no encoder with a padding mask ran), for guards.
 
     In evaluation (the first layer in ``eval()``, no gradient needed, a ``src_key_padding_mask``, no
     ``mask``, batch-first layers) one device runs the encoder on a nested tensor of each sample's
@@ -354,7 +357,7 @@ def encoder_nested_fast_path(grad_enabled: bool) -> Iterator[list]:
     the nested path reads each sample's first ``n`` tokens, ``n`` the count of unpadded ones, which is what
     runs here too.
     """
-    consulted: list = []
+    consulted: dict = {}
 
     @functools.wraps(_ENCODER_FORWARD)
     def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None):

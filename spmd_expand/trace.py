@@ -1252,7 +1252,7 @@ def trace_step(
             its place, and its input stands in there while the step is traced.
         grad_enabled: the caller's grad mode. The step is traced with gradients on; where one device's
             code path depends on the caller's mode (:func:`~spmd_expand.forms.encoder_nested_fast_path`)
-            it takes this one, and the graph is guarded on it.
+            it takes this one, and the graph is guarded on it (:func:`_switch_guards`).
         input_roles / input_specs: one entry per graph input, with global shapes. Batch inputs
             (``kind == "batch"``, ``key`` = index among the tensor leaves of ``(args, kwargs)``) take
             the place of those leaves; param/buffer/grad/state inputs replace the model's and
@@ -1428,7 +1428,7 @@ def trace_step(
             # once per node by the tracer (stack_traces.py).
             with fx_traceback.preserve_node_meta(), RecordStackTraces(), MarkLossParallel(), \
                     torch.compiler._non_strict_tracing_context(), randomness, _onednn_off(), \
-                    torch.compiler.set_stance("force_eager"), encoder_nested_fast_path(grad_enabled) as grad_mode_reads:
+                    torch.compiler.set_stance("force_eager"), encoder_nested_fast_path(grad_enabled) as switch_reads:
                 autograd_graph = make_fx(step, tracing_mode="symbolic", record_stack_traces=True)(*fakes, *sym_values)
             _refuse_collectives(autograd_graph)
             _refuse_untraced_randomness(randomness)
@@ -1512,7 +1512,7 @@ def trace_step(
         _hyperparameter_guards(shape_env, symbols, hyperparameters, hints),
         PythonGuards(
             [v for v in code_reads(user_functions) + class_attribute_reads(user_functions, owners) + recorded[-1].values
-             if v.description not in lifted_floats] + _grad_mode_guard(grad_mode_reads, grad_enabled),
+             if v.description not in lifted_floats] + _switch_guards(switch_reads),
             global_state,
             recorded[-1].module_reads,
             CodeIdentity(user_functions, owners, [holder for _, holder in optimizer_state.holders(optimizer)] if optimizer is not None else []),
@@ -1525,11 +1525,16 @@ def trace_step(
     )
 
 
-def _grad_mode_guard(reads: Sequence[bool], grad_enabled: bool) -> list[PythonValue]:
-    """The call's grad mode as a guarded value, when a code path of the trace depended on it."""
-    if not reads:
-        return []
-    return [PythonValue("the grad mode of the call (torch.is_grad_enabled(): torch.no_grad() around it or not)", torch.is_grad_enabled, grad_enabled)]
+_SWITCHES = {
+    "grad_mode": ("the grad mode of the call (torch.is_grad_enabled(): torch.no_grad() around it or not)", torch.is_grad_enabled),
+    "mha_fastpath": ("torch.backends.mha.get_fastpath_enabled()", torch.backends.mha.get_fastpath_enabled),
+}
+
+
+def _switch_guards(reads: Mapping[str, bool]) -> list[PythonValue]:
+    """Guarded values for the global switches a code path of the trace depended on
+    (:func:`~spmd_expand.forms.encoder_nested_fast_path`): the call's grad mode, torch's MHA fast path."""
+    return [PythonValue(*_SWITCHES[name], value) for name, value in reads.items()]
 
 
 def _python_state_writes(traced: Mapping[str, Mapping[str, Any]], before: Mapping[str, Mapping[str, Any]]) -> list:

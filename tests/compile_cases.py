@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import traceback
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -327,12 +328,51 @@ def statistic_output_worker(rank: int, world: int, plan_name: str, width: int = 
     compiled = torch.compile(model, backend="spmd", options={"mesh": mesh, "plan": plan})
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)
-    out, statistic = compiled(x.chunk(world)[rank])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, statistic = compiled(x.chunk(world)[rank])
+    if statistic.shape != (width,):
+        return {"shape": tuple(statistic.shape), "warnings": [str(w.message) for w in caught]}
     (F.cross_entropy(out, y.chunk(world)[rank]) + statistic.norm()).backward()
     ref_out, ref_statistic = reference(x)
     (F.cross_entropy(ref_out, y) + ref_statistic.norm()).backward()
     return {
-        "statistic": statistic.detach(), "ref_statistic": ref_statistic.detach(),
+        "statistic": statistic.detach(), "ref_statistic": ref_statistic.detach(), "warnings": [str(w.message) for w in caught],
+        "grads": [p.grad.full_tensor() for p in model.parameters()], "ref_grads": [p.grad for p in reference.parameters()],
+    }
+
+
+class _Centered(nn.Module):
+    """Rows centered over the batch, ``h - h.mean(0, keepdim=True)``: a partial value with the batch's rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h - h.mean(0, keepdim=True)
+
+
+def centered_rows_worker(rank: int, world: int, plan_name: str) -> dict:
+    """Each rank's loss on its rows of :class:`_Centered`'s output (one row per rank): shapes and
+    gradients, beside one device over the global batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    plan = spmd.DDP() if plan_name == "ddp" else spmd.FSDP()
+    torch.manual_seed(0)
+    model = _Centered()
+    reference = copy.deepcopy(model)
+    spmd.parallelize(model, mesh, plan)
+    compiled = torch.compile(model, backend="spmd", options={"mesh": mesh, "plan": plan, "lower": "eager"})
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(world, 6, generator=g), torch.randn(world, 3, generator=g)
+    out = compiled(x.chunk(world)[rank])
+    (out - y.chunk(world)[rank]).square().mean().backward()
+    (reference(x) - y).square().mean().backward()
+    return {
+        "shape": tuple(out.shape),
         "grads": [p.grad.full_tensor() for p in model.parameters()], "ref_grads": [p.grad for p in reference.parameters()],
     }
 

@@ -482,7 +482,8 @@ def encoder_fast_path_worker(rank: int, world: int, plan: str) -> dict:
     nested-tensor path (zeros before ``norm`` at padded positions): a distillation step against it as a
     frozen teacher, and an evaluation step called under ``no_grad`` (nested path), with gradients on
     (regular path: a graph of its own), under ``no_grad`` again (the first graph), with left padding (the
-    mask check fails: regular path), and for an encoder without the mask check. Losses compiled and on
+    mask check fails: regular path), with torch's MHA fast path off (regular path: a graph of its own),
+    and for an encoder without the mask check. Losses compiled and on
     one device, and how many graphs the evaluation step compiled."""
     import warnings
 
@@ -513,15 +514,20 @@ def encoder_fast_path_worker(rank: int, world: int, plan: str) -> dict:
         encoder = _encoder(mask_check).eval()
         reference = copy.deepcopy(encoder)
         evaluate = spmd.compile(mesh=mesh, plan=style, lower="eager")(unmasked_pooling)
-        calls = [("no_grad", right), ("grad", right), ("no_grad", right), ("no_grad", left)]
+        # The last call turns torch's MHA fast path off: one device takes the regular path there.
+        calls = [("no_grad", right), ("grad", right), ("no_grad", right), ("no_grad", left), ("no_fast_path", right)]
         got, want = [], []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for mode, pad in calls:
-                context = torch.no_grad() if mode == "no_grad" else contextlib.nullcontext()
-                with context:
-                    got.append(evaluate(encoder, part(x), part(pad)).item())
-                    want.append(unmasked_pooling(reference, x, pad).item())
+                context = torch.no_grad() if mode != "grad" else contextlib.nullcontext()
+                torch.backends.mha.set_fastpath_enabled(mode != "no_fast_path")
+                try:
+                    with context:
+                        got.append(evaluate(encoder, part(x), part(pad)).item())
+                        want.append(unmasked_pooling(reference, x, pad).item())
+                finally:
+                    torch.backends.mha.set_fastpath_enabled(True)
         recompiles = [str(w.message) for w in caught if "compiling unmasked_pooling again" in str(w.message)]
         out[name] = (got, want, recompiles)
     return out

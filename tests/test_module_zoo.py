@@ -88,7 +88,8 @@ def test_embedding_bag_form_matches_torch(options):
 def test_transformer_encoder_nested_fast_path(plan):
     """One device's eval-mode TransformerEncoder with a padding mask runs on a nested tensor (padded
     positions are norm(0)); the trace cannot take that path, so it computes what the path returns.
-    The evaluation step depends on the caller's grad mode (no_grad: nested path) and is guarded on it."""
+    The evaluation step depends on the caller's grad mode (no_grad: nested path) and on torch's MHA
+    fast-path switch, and is guarded on both."""
     for rank, out in enumerate(run_local(zoo.encoder_fast_path_worker, 2, plan, timeout_s=600)):
         got, want = out["distillation"]
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} distillation: {m}")
@@ -96,8 +97,10 @@ def test_transformer_encoder_nested_fast_path(plan):
         for name in ("checked", "unchecked"):
             got, want, recompiles = out[name]
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")
-            # no_grad, grad (a second graph, guarded on the grad mode), no_grad (the first graph again)
-            # and left padding (a graph value under the same graph): one recompilation, naming grad mode.
-            assert len(recompiles) == 1 and "grad mode" in recompiles[0], recompiles
+            # no_grad, grad (a second graph, guarded on the grad mode), no_grad (the first graph again),
+            # left padding (a graph value under the same graph), the MHA fast path off (a third graph,
+            # guarded on torch.backends.mha): two recompilations, each naming its switch.
+            assert len(recompiles) == 2 and "grad mode" in recompiles[0], recompiles
+            assert "get_fastpath_enabled" in recompiles[1], recompiles
         # The padded positions do change the value (the test can fail): nested and regular paths differ.
         assert abs(out["checked"][1][0] - out["checked"][1][1]) > 1e-3
