@@ -213,7 +213,8 @@ def _wrap_forward(model: nn.Module, mesh: DeviceMesh, resolved: ResolvedPlan) ->
         args, kwargs = pytree.tree_map_only(torch.Tensor, to_dtensor, (args, kwargs))
         batch = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, DTensor) and batch_dims(t)]
         batch_sizes = {t.shape[d] for t in batch for d in batch_dims(t)}
-        batch_ndim = min((t.dim() for t in batch), default=0)
+        # (Dynamo traces this: min(..., default=) would break the graph.)
+        batch_ndim = min([t.dim() for t in batch]) if batch else 0
         with EqualForms():
             output = inner(*args, **kwargs) if inner is not None else class_forward(self, *args, **kwargs)
         return pytree.tree_map_only(DTensor, functools.partial(to_local, batch_sizes=batch_sizes, batch_ndim=batch_ndim), output)
