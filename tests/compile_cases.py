@@ -301,6 +301,21 @@ def eager_gradient_worker(rank: int, world: int) -> dict:
     }
 
 
+def _parallelized_copy(build: Callable[[], nn.Module], plan_name: str, world: int, **options):
+    """``(compiled, model, reference)``: ``build()`` seeded, an untouched copy for one device, and the
+    model parallelized under DDP or FSDP on a ``(world,)`` CPU mesh, compiled by the spmd backend."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    plan = spmd.DDP() if plan_name == "ddp" else spmd.FSDP()
+    torch.manual_seed(0)
+    model = build()
+    reference = copy.deepcopy(model)
+    spmd.parallelize(model, mesh, plan)
+    compiled = torch.compile(model, backend="spmd", options={"mesh": mesh, "plan": plan, **options})
+    return compiled, model, reference
+
+
 class _WithStatistic(nn.Module):
     """Returns batch rows (logits) and a statistic over the batch (a [width] mean): not rows of a rank."""
 
@@ -317,15 +332,7 @@ def statistic_output_worker(rank: int, world: int, plan_name: str, width: int = 
     """A compiled model's output that is not split over the ranks (a batch statistic of ``width``
     features; the global batch is 8 rows), used in each rank's loss: its value and the gradients,
     beside one device over the global batch."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (world,))
-    plan = spmd.DDP() if plan_name == "ddp" else spmd.FSDP()
-    torch.manual_seed(0)
-    model = _WithStatistic(width)
-    reference = copy.deepcopy(model)
-    spmd.parallelize(model, mesh, plan)
-    compiled = torch.compile(model, backend="spmd", options={"mesh": mesh, "plan": plan})
+    compiled, model, reference = _parallelized_copy(lambda: _WithStatistic(width), plan_name, world)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)
     with warnings.catch_warnings(record=True) as caught:
@@ -357,15 +364,7 @@ class _Centered(nn.Module):
 def centered_rows_worker(rank: int, world: int, plan_name: str) -> dict:
     """Each rank's loss on its rows of :class:`_Centered`'s output (one row per rank): shapes and
     gradients, beside one device over the global batch."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (world,))
-    plan = spmd.DDP() if plan_name == "ddp" else spmd.FSDP()
-    torch.manual_seed(0)
-    model = _Centered()
-    reference = copy.deepcopy(model)
-    spmd.parallelize(model, mesh, plan)
-    compiled = torch.compile(model, backend="spmd", options={"mesh": mesh, "plan": plan, "lower": "eager"})
+    compiled, model, reference = _parallelized_copy(_Centered, plan_name, world, lower="eager")
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(world, 6, generator=g), torch.randn(world, 3, generator=g)
     out = compiled(x.chunk(world)[rank])
@@ -393,15 +392,7 @@ def sequence_first_output_worker(rank: int, world: int, plan_name: str, loss: st
     """The user's loop over :class:`_SequenceFirstOutput`'s local result: an NLL over every time step,
     or a CTC loss (targets of each sample); local output shapes, losses averaged over the ranks (per
     the DDP convention, a per-rank mean's mean), gradients, and one device's over the global batch."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (world,))
-    plan = spmd.DDP() if plan_name == "ddp" else spmd.FSDP()
-    torch.manual_seed(0)
-    model = _SequenceFirstOutput()
-    reference = copy.deepcopy(model)
-    spmd.parallelize(model, mesh, plan)
-    compiled = torch.compile(model, backend="spmd", options={"mesh": mesh, "plan": plan, "lower": "eager"})
+    compiled, model, reference = _parallelized_copy(_SequenceFirstOutput, plan_name, world, lower="eager")
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(4, 8, 6, generator=g), torch.randint(1, 5, (4, 8), generator=g)
     targets = torch.randint(1, 5, (4, 3), generator=g)
@@ -439,15 +430,7 @@ class _TwoHeads(nn.Module):
 def alternating_heads_worker(rank: int, world: int, plan_name: str) -> dict:
     """The loop's loss reads one head's output per step (the other is returned, unused), AdamW with
     weight decay: whether the unused head got a gradient, and the parameters, beside one device."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (world,))
-    plan = spmd.DDP() if plan_name == "ddp" else spmd.FSDP()
-    torch.manual_seed(0)
-    model = _TwoHeads()
-    reference = copy.deepcopy(model)
-    spmd.parallelize(model, mesh, plan)
-    compiled = torch.compile(model, backend="spmd", options={"mesh": mesh, "plan": plan, "lower": "eager"})
+    compiled, model, reference = _parallelized_copy(_TwoHeads, plan_name, world, lower="eager")
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (model, reference)]
     part = lambda t: t.chunk(world)[rank]  # noqa: E731
     unused_grads = []
