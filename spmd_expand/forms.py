@@ -368,8 +368,6 @@ def encoder_nested_fast_path(grad_enabled: bool) -> Iterator[dict]:
             target_type=src.dtype,
         )
         keep = padding.logical_not()  # (batch, seq): a sample's tokens
-        counts = keep.sum(1, keepdim=True)
-        first_tokens = torch.arange(keep.size(1), device=keep.device) < counts  # what the nested tensor holds
         without_norm = copy.copy(self)
         without_norm._modules = {**self._modules, "norm": None}
         if getattr(self, "mask_check", True):
@@ -378,6 +376,8 @@ def encoder_nested_fast_path(grad_enabled: bool) -> Iterator[dict]:
             aligned = (keep[:, 1:] & ~keep[:, :-1]).sum() == 0
             out = regular.masked_fill((~keep & aligned).unsqueeze(-1), 0.0)
         else:
+            # What the nested tensor holds: each sample's first `count` positions.
+            first_tokens = torch.arange(keep.size(1), device=keep.device) < keep.sum(1, keepdim=True)
             nested = _ENCODER_FORWARD(without_norm, src, mask, ~first_tokens, is_causal)
             out = nested.masked_fill((~first_tokens).unsqueeze(-1), 0.0)
         return self.norm(out) if self.norm is not None else out
