@@ -8,7 +8,8 @@ stop or go wrong:
   channels-last result with ``as_strided_``), ``F.embedding_bag`` over fixed-size bags, ``F.bilinear``
   (``_trilinear``), a matrix's ``fill_diagonal_`` (``as_strided``);
 * an op whose backward needs a concrete batch size: ``F.affine_grid``;
-* an op whose traced form in torch 2.13 is wrong: ``F.multilabel_margin_loss``;
+* an op whose traced form in torch 2.13 is wrong: ``F.multilabel_margin_loss``, and ``F.l1_loss``
+  with ``weight=``, which torch hands a torch-function mode without the weight;
 * a fast path the trace cannot take: ``nn.TransformerEncoder``'s nested-tensor path in evaluation
   (:func:`encoder_nested_fast_path`, a patched ``forward`` rather than a torch-function form).
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import sys
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -244,12 +246,60 @@ def _affine_grid(func: Callable, args: tuple, kwargs: dict) -> Optional[Callable
     return _affine_grid_of
 
 
+_L1_LOSS = F.l1_loss
+
+
+def _weighted_l1_loss(
+    input: torch.Tensor, target: torch.Tensor, size_average: Any = None, reduce: Any = None, reduction: str = "mean",
+    *, weight: torch.Tensor,
+) -> torch.Tensor:
+    """``F.l1_loss(input, target, reduction=..., weight=weight)`` as torch 2.13 computes it: the
+    weighted absolute errors, summed, or summed over the weights' sum for ``"mean"``."""
+    if size_average is not None or reduce is not None:
+        reduction = torch.nn._reduction.legacy_get_string(size_average, reduce)
+    if weight.size() != input.size():
+        raise ValueError("Weights and input must have the same size.")
+    expanded_input, expanded_target = torch.broadcast_tensors(input, target)
+    errors = torch.abs(expanded_input - expanded_target) * weight
+    if reduction == "none":
+        return errors
+    if reduction == "sum":
+        return errors.sum()
+    if reduction == "mean":
+        return errors.sum() / weight.sum()
+    raise ValueError(f"{reduction} is not a valid value for reduction for weighted L1 loss.")
+
+
+def _l1_weight_dropped(func: Callable, args: tuple, kwargs: dict) -> Optional[Callable]:
+    """:func:`_weighted_l1_loss` with the ``weight=`` of an ``F.l1_loss`` call, or None (no weight).
+
+    torch 2.13's ``F.l1_loss`` hands a torch-function mode its call without ``weight`` (its
+    ``handle_torch_function`` passes the other keywords only), so every mode, the trace's included,
+    computed the unweighted loss where one device weighs it: a silent wrong answer. The weight is read
+    from the ``l1_loss`` frame that called the mode, a few frames up."""
+    if func is not _L1_LOSS or "weight" in kwargs:
+        return None
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            return None
+        if frame.f_code is _L1_LOSS.__code__:
+            weight = frame.f_locals.get("weight")
+            return None if weight is None else functools.partial(_weighted_l1_loss, weight=weight)
+        frame = frame.f_back
+    return None
+
+
 def equal_valued_form(func: Callable, args: tuple, kwargs: dict) -> Callable:
     """``func``, or a function computing the same values from the same arguments with ops that have
     sharding rules (:func:`_global_average_pool`, :func:`_embedding_bag`, :func:`_bilinear`,
     :func:`_fill_diagonal`), that traces with a symbolic batch size (:func:`_affine_grid`), or whose
-    traced form in torch is wrong (:func:`_multilabel_margin`)."""
-    for form in (_global_average_pool, _embedding_bag, _bilinear, _fill_diagonal, _affine_grid, _multilabel_margin):
+    traced form in torch is wrong (:func:`_multilabel_margin`) or loses an argument
+    (:func:`_l1_weight_dropped`)."""
+    for form in (
+        _global_average_pool, _embedding_bag, _bilinear, _fill_diagonal, _affine_grid, _multilabel_margin,
+        _l1_weight_dropped,
+    ):
         replacement = form(func, args, kwargs)
         if replacement is not None:
             return replacement

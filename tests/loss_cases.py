@@ -33,6 +33,9 @@ def _targets(g: torch.Generator) -> dict:
 LOSSES = {
     "mse": lambda o, t: F.mse_loss(o, t["real"]),
     "l1": lambda o, t: F.l1_loss(o, t["real"]),
+    # torch 2.13 hands a torch-function mode this call without its weight (the unweighted loss was traced).
+    "l1_weighted": lambda o, t: F.l1_loss(o, t["real"], weight=t["prob"]),
+    "l1_weighted_sum": lambda o, t: F.l1_loss(o, t["real"], reduction="sum", weight=t["prob"]),
     "smooth_l1": lambda o, t: F.smooth_l1_loss(o, t["real"], beta=0.5),
     "huber": lambda o, t: F.huber_loss(o, t["real"], delta=0.5),
     "bce": lambda o, t: F.binary_cross_entropy(torch.sigmoid(o), t["prob"]),

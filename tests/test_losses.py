@@ -11,8 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import torch.nn.functional as F
+
 import loss_cases
 from spmd_expand.app.launch import run_local
+from spmd_expand.forms import EqualForms
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +54,15 @@ def test_gradients_match_one_device(results, plan, name):
         for i, (grad, ref) in enumerate(zip(r["grads"], r["ref_grads"])):
             atol = GRAD_ATOL.get(name, 1e-6)
             torch.testing.assert_close(grad, ref, rtol=1e-4, atol=atol, msg=lambda m: f"gradient {i}: {m}")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_weighted_l1_loss_keeps_its_weight_under_the_forms_mode(reduction):
+    # The mode the backend runs a forward under (and the trace's, which applies the same forms) saw
+    # F.l1_loss without weight= and computed the unweighted loss.
+    g = torch.Generator().manual_seed(0)
+    input, target, weight = torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g), torch.rand(4, 3, generator=g)
+    with EqualForms():
+        got = F.l1_loss(input, target, reduction=reduction, weight=weight)
+    torch.testing.assert_close(got, F.l1_loss(input, target, reduction=reduction, weight=weight))
+    assert not torch.allclose(got, F.l1_loss(input, target, reduction=reduction))
