@@ -402,7 +402,7 @@ class TensorParallel(ParallelStyle):
             if seen[0] != placement:
                 raise PlanError(
                     f"tied parameter {canonical[id(param)]!r} is {seen[0]} as {seen[1]!r} but {placement} as "
-                    f"{fqn!r}; give both modules styles that place it the same way"
+                    f"{fqn!r}; {_tied_fix(modules, seen[1], fqn)}"
                 )
         self._param_placements = {canonical[pid]: pl for pid, (pl, _) in placements.items()}
         self.module_layouts()  # refuses unsupported layouts now, not in the middle of tracing
@@ -417,6 +417,23 @@ class TensorParallel(ParallelStyle):
         """Module FQN -> the layouts its style asks for at its inputs and outputs on this mesh dim,
         for the modules the plan names (after :meth:`bind`)."""
         return {fqn: style_layouts(style, self._modules[fqn], fqn) for fqn, style in self._module_styles.items()}
+
+
+def _tied_fix(modules: Mapping[str, nn.Module], *fqns: str) -> str:
+    """The fix for a tied parameter two TP styles place differently (``fqns``: its two names)."""
+    holders = [fqn.rpartition(".")[0] for fqn in fqns]
+    unshardable = [h for h in holders if not isinstance(modules[h], (nn.Linear, nn.Embedding))]
+    if unshardable:
+        # A parameter a non-Linear module holds itself (BERT's ``cls.predictions.bias``) stays
+        # replicated: no torch style shards it, so neither may the other holder's.
+        h = unshardable[0]
+        other = next(x for x in holders if x != h) if len(set(holders)) > 1 else h
+        return (
+            f"{h!r} ({type(modules[h]).__name__}) holds it itself and no torch style shards a parameter of a "
+            f"module that is not nn.Linear or nn.Embedding, so it stays replicated: leave {other!r} without a "
+            f"sharding style (replicated), or untie the two"
+        )
+    return "give both modules styles that place it the same way"
 
 
 def _tp_placement(style: Optional[object], module: nn.Module, name: str) -> Placement:

@@ -72,6 +72,24 @@ def test_plan_errors(plan, match):
         spmd.TensorParallel(plan).bind(tp_cases.build_tiny_lm())
 
 
+class _TiedHead(nn.Module):
+    """BERT's LM head in small: the head holds the bias itself, tied to its decoder Linear's."""
+
+    def __init__(self):
+        super().__init__()
+        self.decoder = nn.Linear(D, 8)
+        self.bias = self.decoder.bias
+
+
+def test_tied_parameter_of_a_module_no_style_shards_names_the_fix():
+    # Sharding the decoder would shard the bias the head holds itself, which no torch style can shard:
+    # the fix is to leave the decoder replicated, not (as for two Linears) to give both a style.
+    model = nn.Module()
+    model.head = _TiedHead()
+    with pytest.raises(spmd.PlanError, match=r"'head' \(_TiedHead\) holds it itself.*leave 'head.decoder' without a sharding style"):
+        spmd.TensorParallel({"head.decoder": ColwiseParallel()}).bind(model)
+
+
 def test_style_that_is_not_a_tp_style():
     with pytest.raises(spmd.PlanError, match="PrepareModuleInput"):
         spmd.TensorParallel({"ff": spmd.DDP()})
