@@ -7,7 +7,8 @@ stop or go wrong:
 * ops with no sharding rule, in DTensor or here: an adaptive average pool to size 1 (ATen restrides a
   channels-last result with ``as_strided_``), ``F.embedding_bag`` over fixed-size bags, ``F.bilinear``
   (``_trilinear``), a matrix's ``fill_diagonal_`` (``as_strided``);
-* an op whose backward needs a concrete batch size: ``F.affine_grid``;
+* ops whose backward needs a concrete batch size: ``F.affine_grid``, ``F.interpolate`` with
+  ``antialias=True``;
 * an op whose traced form in torch 2.13 is wrong: ``F.multilabel_margin_loss``, and ``F.l1_loss``
   with ``weight=``, which torch hands a torch-function mode without the weight;
 * a fast path the trace cannot take: ``nn.TransformerEncoder``'s nested-tensor path in evaluation
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import math
 import sys
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -36,7 +38,7 @@ __all__ = ["EqualForms", "encoder_nested_fast_path", "equal_valued_form", "equal
 
 # The functions the forms answer, as torch defines them (``equal_forms_patched`` replaces the attributes
 # for a while; the forms compare calls with these).
-_PATCHED = [(F, name) for name in ("embedding_bag", "bilinear", "multilabel_margin_loss", "affine_grid")]
+_PATCHED = [(F, name) for name in ("embedding_bag", "bilinear", "multilabel_margin_loss", "affine_grid", "interpolate")]
 _PATCHED += [(F, f"adaptive_avg_pool{d}d") for d in (1, 2, 3)] + [(torch.Tensor, "fill_diagonal_")]
 _ORIGINAL = {name: getattr(owner, name) for owner, name in _PATCHED}
 
@@ -246,6 +248,71 @@ def _affine_grid(func: Callable, args: tuple, kwargs: dict) -> Optional[Callable
     return _affine_grid_of
 
 
+def _antialiased_axis(n: int, axis: int, like: torch.Tensor, mode: str, align_corners: Any, resize: dict) -> torch.Tensor:
+    """The ``(n, out)`` weights of ``F.interpolate(..., antialias=True)`` along one spatial ``axis``
+    (0: height, 1: width) of a length-``n`` axis: torch's own kernel applied to the ``n`` unit
+    vectors. The other axis has length 2 and keeps it (an identity); length 1 there takes another
+    path in torch 2.13's kernel that does not give the separable weights."""
+    shape = [1, n, 2, 2]
+    shape[2 + axis] = n
+    basis = torch.eye(n, dtype=like.dtype, device=like.device).reshape(1, n, *((n, 1) if axis == 0 else (1, n))).expand(shape)
+    kwargs = {}
+    if resize["size"] is not None:
+        size = [2, 2]
+        size[axis] = resize["size"][axis]
+        kwargs["size"] = tuple(size)
+    else:
+        scale = [1.0, 1.0]
+        scale[axis] = resize["scale_factor"][axis]
+        kwargs.update(scale_factor=tuple(scale), recompute_scale_factor=resize["recompute_scale_factor"])
+    with torch.no_grad():
+        weights = _ORIGINAL["interpolate"](basis, mode=mode, align_corners=align_corners, antialias=True, **kwargs)
+    return weights[0, :, :, 0] if axis == 0 else weights[0, :, 0, :]
+
+
+def _antialiased_resize(
+    input: torch.Tensor, size: Any = None, scale_factor: Any = None, mode: str = "nearest", align_corners: Any = None,
+    recompute_scale_factor: Any = None, antialias: bool = False,
+) -> torch.Tensor:
+    """``F.interpolate(input, ..., antialias=True)`` of an ``(N, C, H, W)`` input in bilinear or
+    bicubic mode, as the separable resampling it is: ``einsum("nchw,ho,wp->ncop", input, A, B)`` with
+    each axis' weights from :func:`_antialiased_axis` (equal up to float32 rounding, 7e-7 seen)."""
+    pair = lambda v: None if v is None else (tuple(v) if isinstance(v, (list, tuple)) else (v, v))  # noqa: E731
+    resize = {"size": pair(size), "scale_factor": pair(scale_factor), "recompute_scale_factor": recompute_scale_factor}
+    height = _antialiased_axis(input.shape[2], 0, input, mode, align_corners, resize)
+    width = _antialiased_axis(input.shape[3], 1, input, mode, align_corners, resize)
+    return torch.einsum("nchw,ho,wp->ncop", input, height, width)
+
+
+def _antialiased_interpolate(func: Callable, args: tuple, kwargs: dict) -> Optional[Callable]:
+    """:func:`_antialiased_resize` for ``F.interpolate(..., mode="bilinear" | "bicubic", antialias=True)``
+    of a 4-D input with integer spatial sizes, or None. The backward ops of ATen's antialiased
+    kernels (``_upsample_bilinear2d_aa_backward``, ``_upsample_bicubic2d_aa_backward``) take the
+    input's size as concrete integers: with the trace's symbolic batch size one kept the global batch
+    size where a rank has its own rows, the other failed inside torch."""
+    if func is not _ORIGINAL["interpolate"]:
+        return None
+    names = ("input", "size", "scale_factor", "mode", "align_corners", "recompute_scale_factor", "antialias")
+    bound = {**dict(zip(names, args)), **kwargs}
+    input = bound.get("input")
+    if not bound.get("antialias") or bound.get("mode") not in ("bilinear", "bicubic"):
+        return None
+    if not isinstance(input, torch.Tensor) or input.dim() != 4 or not all(type(n) is int for n in input.shape[2:]):
+        return None
+    size, scale = bound.get("size"), bound.get("scale_factor")
+    if (size is None) == (scale is None):
+        return None  # torch's own error
+    # torch 2.13's kernels to an output width of 1 are not the separable resampling (344 of the
+    # 7,174 small shapes and settings tried differ, all of them width 1; every other one agrees to
+    # 1e-6): keep torch's path (and its error) there.
+    width = (size[-1] if isinstance(size, (list, tuple)) else size) if size is not None else math.floor(
+        input.shape[3] * (scale[-1] if isinstance(scale, (list, tuple)) else scale)
+    )
+    if width == 1:
+        return None
+    return _antialiased_resize
+
+
 _L1_LOSS = F.l1_loss
 
 
@@ -293,12 +360,13 @@ def _l1_weight_dropped(func: Callable, args: tuple, kwargs: dict) -> Optional[Ca
 def equal_valued_form(func: Callable, args: tuple, kwargs: dict) -> Callable:
     """``func``, or a function computing the same values from the same arguments with ops that have
     sharding rules (:func:`_global_average_pool`, :func:`_embedding_bag`, :func:`_bilinear`,
-    :func:`_fill_diagonal`), that traces with a symbolic batch size (:func:`_affine_grid`), or whose
+    :func:`_fill_diagonal`), that traces with a symbolic batch size (:func:`_affine_grid`,
+    :func:`_antialiased_interpolate`), or whose
     traced form in torch is wrong (:func:`_multilabel_margin`) or loses an argument
     (:func:`_l1_weight_dropped`)."""
     for form in (
-        _global_average_pool, _embedding_bag, _bilinear, _fill_diagonal, _affine_grid, _multilabel_margin,
-        _l1_weight_dropped,
+        _global_average_pool, _embedding_bag, _bilinear, _fill_diagonal, _affine_grid, _antialiased_interpolate,
+        _multilabel_margin, _l1_weight_dropped,
     ):
         replacement = form(func, args, kwargs)
         if replacement is not None:

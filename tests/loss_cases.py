@@ -109,6 +109,13 @@ BATCH_OPS = {
     # the ranks' parts (128 each: -128) cast first summed to -256, silently (scale 0 instead of 1).
     "int8_count_cast": lambda o, t: o.pow(2).mean()
     * (1 + (t["real"].repeat(8, 1) > -100).to(torch.int8).sum(dtype=torch.int8).float() / 256),
+    # Antialiased resizing (a learned downsampler): ATen's _aa backward ops took the global batch size
+    # (bilinear: a raw RuntimeError) or no symbolic one (bicubic: an internal assert).
+    "interpolate_antialias": lambda o, t: sum(
+        F.interpolate(o.view(-1, 1, 2, 2).expand(-1, 2, 2, 2) * o.view(-1, 2, 1, 2), size=size, mode=mode, antialias=True)
+        .pow(2).mean()
+        for mode, size in (("bilinear", (1, 3)), ("bicubic", (3, 2)))
+    ),
     # torch.cdist of small inputs (_cdist_forward/_cdist_backward had no rule): to fixed prototypes,
     # within the batch (its rows split on both sides), and p=3 with a batch dim.
     "cdist": lambda o, t: torch.cdist(o, torch.linspace(-1, 1, 3 * OUT).view(3, OUT)).pow(2).mean()
