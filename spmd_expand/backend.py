@@ -79,7 +79,6 @@ class _Parallelized:
     mesh: DeviceMesh
     plan: Plan
     resolved: ResolvedPlan
-    boundaries: Any = None  # the module-boundary hooks (kept for the model's life)
     timeout: Optional[timedelta] = None  # parallelize's timeout: the cross-rank checks' wait
 
 
@@ -152,7 +151,11 @@ def parallelize(
     boundaries = contextlib.ExitStack()
     boundaries.enter_context(mark_boundaries(model, resolved.module_layouts()))
     boundaries.enter_context(mark_sequence_first(model, mesh, resolved.data_parallel_dims))
-    _PARALLELIZED[model] = _Parallelized(mesh, plan, resolved, boundaries, timeout)
+    # The hooks stay while their context managers are alive (a collected one removes its hooks): the
+    # model holds them. In the registry's value they would hold the model, which a weak key must not
+    # (no model was ever freed, and a later graph reading no parameters matched every earlier model).
+    model._spmd_boundary_hooks = boundaries
+    _PARALLELIZED[model] = _Parallelized(mesh, plan, resolved, timeout)
     return model
 
 

@@ -184,6 +184,24 @@ def test_fsdp_parameters_keep_their_names_and_eager_reads(fake_mesh):
     assert model[0].weight is weight and weight.placements == (Shard(0),)
 
 
+def test_a_parallelized_model_is_freed_with_its_last_reference(fake_mesh):
+    """The registry of parallelized models held each model through its boundary hooks' context
+    managers: no model was freed, and a later graph that reads no parameters (the part after a graph
+    break) matched every earlier one ("matches 8 parallelized models"). The hooks stay while it lives."""
+    import gc
+    import weakref
+
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    model = spmd.parallelize(_mlp(), fake_mesh, spmd.TensorParallel({"0": ColwiseParallel()}))
+    gc.collect()
+    assert model[0]._forward_pre_hooks and model[0]._forward_hooks  # the style's layout markers
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
+
+
 def test_parallelize_again_after_dynamo_reset(fake_mesh):
     from torch._dynamo.callback import callback_handler
 
