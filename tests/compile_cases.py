@@ -7,6 +7,7 @@ scheduler; the loss is computed outside the compiled model from its local result
 from __future__ import annotations
 
 import copy
+import gc
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -517,3 +518,18 @@ def count_read_as_number_worker(rank: int, world: int) -> dict:
         "loss": loss.detach(), "ref_loss": ref_loss.detach(),
         "grads": [p.grad.full_tensor() for p in model.parameters()], "ref_grads": [p.grad for p in reference.parameters()],
     }
+
+
+def run_workers(rank: int, world: int, calls: list[tuple]) -> dict:
+    """Several workers of this module on one spawn of the ranks (a spawn costs seconds of imports):
+    ``{(name, *args): result}`` for each ``(name, *args)`` of ``calls``, run as ``name(rank, world,
+    *args)`` after a reset of Dynamo's caches and a collection of the last worker's models; a worker that raises gives ``{"error": traceback}``."""
+    results = {}
+    for name, *args in calls:
+        torch._dynamo.reset()
+        gc.collect()  # the last worker's parallelized models, which a graph reading no parameters would match
+        try:
+            results[(name, *args)] = globals()[name](rank, world, *args)
+        except Exception:
+            results[(name, *args)] = {"error": traceback.format_exc()}
+    return results

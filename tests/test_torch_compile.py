@@ -55,6 +55,36 @@ def results_w4():
     return run_local(compile_cases.run_loops, 4, RUNS_W4, 3, timeout_s=600)
 
 
+# The single-case workers, all on one spawn of 2 ranks (compile_cases.run_workers).
+WORKER_CALLS = [
+    ("eager_gradient_worker",),
+    ("statistic_output_worker", "ddp"),
+    ("statistic_output_worker", "fsdp"),
+    ("statistic_output_worker", "ddp", 8),
+    ("centered_rows_worker", "ddp"),
+    ("centered_rows_worker", "fsdp"),
+    *(("sequence_first_output_worker", plan, loss) for plan in ("ddp", "fsdp") for loss in ("nll", "ctc")),
+    ("alternating_heads_worker", "ddp"),
+    ("alternating_heads_worker", "fsdp"),
+]
+# Not the graph-break workers: their second graph reads no parameters and is matched to the one live
+# parallelized model, and a model of an earlier worker stays reachable after it returns (through
+# Dynamo's or the backend's state; not found yet), so they spawn their own ranks.
+
+
+@pytest.fixture(scope="module")
+def workers():
+    return run_local(compile_cases.run_workers, 2, WORKER_CALLS, timeout_s=900)
+
+
+def _worker(workers, *call) -> list[dict]:
+    """Each rank's result of one ``WORKER_CALLS`` entry; a rank's error fails the test with its traceback."""
+    per_rank = [res[call] for res in workers]
+    for rank, r in enumerate(per_rank):
+        assert "error" not in r, f"rank {rank}:\n{r['error']}"
+    return per_rank
+
+
 def _check(per_rank: list[dict], run: tuple) -> None:
     for rank, res in enumerate(per_rank):
         r = res[run]
@@ -259,13 +289,13 @@ def test_parameters_become_dtensors_with_the_plan(fake_mesh):
         spmd.parallelize(model, fake_mesh, spmd.DDP())
 
 
-def test_gradient_of_eager_dtensor_code_is_reduced_per_plan():
+def test_gradient_of_eager_dtensor_code_is_reduced_per_plan(workers):
     """Dynamo can run part of a model eagerly (a graph break inside a torch.nn module did, before the
     backend's forward ran under forms.EqualForms): eager DTensor autograd leaves a data-parallel
     gradient Partial; parallelize's hook reduces it (once per accumulation) and warns once."""
     from torch.distributed.tensor import Replicate
 
-    per_rank = run_local(compile_cases.eager_gradient_worker, 2, timeout_s=300)
+    per_rank = _worker(workers, "eager_gradient_worker")
     for r in per_rank:
         assert r["placements"] == (Replicate(),)
         # Two backward calls, each summing 2 rows of value 1 (rank 0) and 2 (rank 1): 2 * (2 + 4).
@@ -274,33 +304,33 @@ def test_gradient_of_eager_dtensor_code_is_reduced_per_plan():
 
 
 @pytest.mark.parametrize("plan", ["ddp", "fsdp"])
-def test_an_output_not_split_over_the_ranks_is_its_full_value(plan):
+def test_an_output_not_split_over_the_ranks_is_its_full_value(workers, plan):
     """A statistic over the batch returned by the compiled model (``h.mean(0)``, shape [5]) was
     redistributed to the batch's placement like rows: each rank got a slice of it ([3] and [2]), and
     a loss on it differed from one device's, silently. An output split nowhere now returns its full
     value (as a scalar did), and its gradient matches one device's."""
-    for r in run_local(compile_cases.statistic_output_worker, 2, plan, timeout_s=300):
+    for r in _worker(workers, "statistic_output_worker", plan):
         assert not [w for w in r["warnings"] if "statistic over the batch" in w], r["warnings"]
         torch.testing.assert_close(r["statistic"], r["ref_statistic"])
         for got, ref in zip(r["grads"], r["ref_grads"]):
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
 
 
-def test_a_statistic_as_wide_as_the_global_batch_is_not_silent():
+def test_a_statistic_as_wide_as_the_global_batch_is_not_silent(workers):
     """``h.mean(0)`` with 8 features and a global batch of 8: its placements (split nowhere) cannot
     tell it from rows every rank computed, and it is split like rows ([4] on each rank, losses 18-42%
     off); it was silent. Now it warns, naming the shape and what to do."""
-    for r in run_local(compile_cases.statistic_output_worker, 2, "ddp", 8, timeout_s=300):
+    for r in _worker(workers, "statistic_output_worker", "ddp", 8):
         assert r["shape"] == (4,)
         assert any("statistic over the batch whose width" in w and "(8,)" in w for w in r["warnings"]), r["warnings"]
 
 
 @pytest.mark.parametrize("plan", ["ddp", "fsdp"])
-def test_rows_centered_over_the_batch_are_this_ranks_rows(plan):
+def test_rows_centered_over_the_batch_are_this_ranks_rows(workers, plan):
     """``h - h.mean(0, keepdim=True)``, a partial value with the batch's rows: each rank gets its rows
     and one device's gradients (a rule taking every partial output as a statistic returned the full
     (B, C) value, which broadcast silently against one row of targets)."""
-    for r in run_local(compile_cases.centered_rows_worker, 2, plan, timeout_s=300):
+    for r in _worker(workers, "centered_rows_worker", plan):
         assert r["shape"] == (1, 3)
         for got, ref in zip(r["grads"], r["ref_grads"]):
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
@@ -308,12 +338,12 @@ def test_rows_centered_over_the_batch_are_this_ranks_rows(plan):
 
 @pytest.mark.parametrize("loss", ["nll", "ctc"])
 @pytest.mark.parametrize("plan", ["ddp", "fsdp"])
-def test_a_sequence_first_output_keeps_its_split_dim(plan, loss):
+def test_a_sequence_first_output_keeps_its_split_dim(workers, plan, loss):
     """A batch-first input and a sequence-first output ``(T, B, C)`` (a CTC model's log-probabilities):
     the output, split on dim 1, was redistributed to the plan's Shard(0), so each rank got half the time
     steps of every sample ((4, 4, 5) instead of (8, 2, 5)): an NLL paired them with the wrong targets
     (losses 1.7156 vs 1.5769, silently) and ctc_loss raised a raw RuntimeError. Rows stay on their dim."""
-    per_rank = run_local(compile_cases.sequence_first_output_worker, 2, plan, loss, timeout_s=300)
+    per_rank = _worker(workers, "sequence_first_output_worker", plan, loss)
     torch.testing.assert_close(sum(r["loss"] for r in per_rank) / len(per_rank), per_rank[0]["ref_loss"])
     for r in per_rank:
         assert r["shape"] == (8, 2, 5)
@@ -322,12 +352,12 @@ def test_a_sequence_first_output_keeps_its_split_dim(plan, loss):
 
 
 @pytest.mark.parametrize("plan", ["ddp", "fsdp"])
-def test_an_output_no_loss_uses_gives_its_parameters_no_gradient(plan):
+def test_an_output_no_loss_uses_gives_its_parameters_no_gradient(workers, plan):
     """A multi-task loop training one of two heads per step: the unused head's parameters got zero
     gradients (the backward graph ran with zero tangents), where eager autograd gives none, so AdamW
     decayed them and moved their moments: head_a's weight ended 1.2e-2 off one device, silently (stock
     torch.compile does the same on one device). A gradient no used output reaches is None now."""
-    for r in run_local(compile_cases.alternating_heads_worker, 2, plan, timeout_s=300):
+    for r in _worker(workers, "alternating_heads_worker", plan):
         assert r["unused_grad_none"] == [True, True]
         for got, ref in zip(r["params"], r["ref_params"]):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
