@@ -82,6 +82,18 @@ class _Parallelized:
     timeout: Optional[timedelta] = None  # parallelize's timeout: the cross-rank checks' wait
 
 
+class _HookContexts:
+    """The context managers that keep a parallelized model's boundary hooks installed, held by the
+    model. A deep copy of the model (an EMA copy) copies the hooks themselves (functions, by
+    reference) and gets an empty holder: generators cannot be copied."""
+
+    def __init__(self, contexts: Optional[contextlib.ExitStack]) -> None:
+        self.contexts = contexts
+
+    def __deepcopy__(self, memo: dict) -> "_HookContexts":
+        return _HookContexts(None)
+
+
 _PARALLELIZED: "weakref.WeakKeyDictionary[nn.Module, _Parallelized]" = weakref.WeakKeyDictionary()
 
 
@@ -154,7 +166,7 @@ def parallelize(
     # The hooks stay while their context managers are alive (a collected one removes its hooks): the
     # model holds them. In the registry's value they would hold the model, which a weak key must not
     # (no model was ever freed, and a later graph reading no parameters matched every earlier model).
-    model._spmd_boundary_hooks = boundaries
+    model._spmd_boundary_hooks = _HookContexts(boundaries)
     _PARALLELIZED[model] = _Parallelized(mesh, plan, resolved, timeout)
     return model
 

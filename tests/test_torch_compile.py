@@ -217,7 +217,9 @@ def test_fsdp_parameters_keep_their_names_and_eager_reads(fake_mesh):
 def test_a_parallelized_model_is_freed_with_its_last_reference(fake_mesh):
     """The registry of parallelized models held each model through its boundary hooks' context
     managers: no model was freed, and a later graph that reads no parameters (the part after a graph
-    break) matched every earlier one ("matches 8 parallelized models"). The hooks stay while it lives."""
+    break) matched every earlier one ("matches 8 parallelized models"). The hooks stay while it lives, and
+    it can still be deep-copied."""
+    import copy
     import gc
     import weakref
 
@@ -226,6 +228,7 @@ def test_a_parallelized_model_is_freed_with_its_last_reference(fake_mesh):
     model = spmd.parallelize(_mlp(), fake_mesh, spmd.TensorParallel({"0": ColwiseParallel()}))
     gc.collect()
     assert model[0]._forward_pre_hooks and model[0]._forward_hooks  # the style's layout markers
+    copy.deepcopy(model)  # an EMA copy: the hook contexts (generators) are not copied
     alive = weakref.ref(model)
     del model
     gc.collect()
