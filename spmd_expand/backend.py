@@ -58,7 +58,7 @@ from .state import REPLACED_PARAMETERS, broadcast_materialized_state, distribute
 from .boundaries import encode_placement, mark_boundaries, mark_sequence_first
 from .errors import BatchError, PlanError, SpmdError, user_source_line
 from .expand import RedistributeCache
-from .forms import EqualForms
+from .eager_fallback import ForwardMode
 from .guards import not_dense_problem
 from .lower import LOWERINGS, lower as lower_graph
 from .passes import resolve_passes
@@ -230,7 +230,7 @@ def _wrap_forward(model: nn.Module, mesh: DeviceMesh, resolved: ResolvedPlan) ->
         batch_sizes = {t.shape[d] for t in batch for d in batch_dims(t)}
         # (Dynamo traces this: min(..., default=) would break the graph.)
         batch_ndim = min([t.dim() for t in batch]) if batch else 0
-        with EqualForms():
+        with ForwardMode():
             output = inner(*args, **kwargs) if inner is not None else class_forward(self, *args, **kwargs)
         return pytree.tree_map_only(DTensor, functools.partial(to_local, batch_sizes=batch_sizes, batch_ndim=batch_ndim), output)
 
@@ -246,7 +246,9 @@ def _reduce_gradients_computed_eagerly(model: nn.Module, mesh: DeviceMesh, resol
     part of the model eagerly. A graph break inside a module of ``torch.nn`` (an ``nn.Sequential``
     whose child breaks, e.g. on ``F.interpolate``) did so for that module's whole forward before the
     forward ran under :class:`~spmd_expand.forms.EqualForms` (with the mode on, Dynamo compiles the
-    children as graphs of their own); the hook stays for any other eager path. Its values are right (the
+    children as graphs of their own), and eager calls inside the forward now run as one device would
+    (:class:`~spmd_expand.eager_fallback.ForwardMode`: their gradients arrive in the plan's placements);
+    the hook stays for eager DTensor code outside the forward. Its values are right (the
     compiled graph of the model's result scales each rank's loss by ``1 / data-parallel size``), but
     eager DTensor leaves a data-parallel gradient ``Partial``: the optimizer would reduce it again in
     every op that reads it, and code reading ``grad.to_local()`` would see one rank's part.

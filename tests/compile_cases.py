@@ -533,3 +533,54 @@ def run_workers(rank: int, world: int, calls: list[tuple]) -> dict:
         except Exception:
             results[(name, *args)] = {"error": traceback.format_exc()}
     return results
+
+
+@torch._dynamo.disable
+def _loss_outside_graphs(name: str, h, target, labels, weight):
+    """Losses Dynamo does not compile (``torch._dynamo.disable``): eager code on DTensors, whose
+    eager rules in torch 2.13 give W times the gradients of a mean MSE / smooth L1, average the
+    ranks' means of a cross-entropy with ignored labels, and write no diagonal into a row-split tensor."""
+    if name == "mse":
+        return F.mse_loss(h, target) + 0.1 * weight.square().sum()
+    if name == "smooth_l1":
+        return F.smooth_l1_loss(h, target)
+    if name == "cross_entropy_ignore_index":
+        return F.cross_entropy(h, labels, ignore_index=-100)
+    if name == "norm":
+        return h.norm(dim=0).sum()
+    if name == "fill_diagonal":
+        h.fill_diagonal_(0.0)
+        return F.l1_loss(h, target, reduction="sum")
+    if name == "l1_weighted":
+        return F.l1_loss(h, target, weight=target.abs())
+    raise ValueError(name)
+
+
+class _LossOutsideGraphs(nn.Module):
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x, target, labels):
+        return _loss_outside_graphs(self.name, self.fc(x) * 2.0, target, labels, self.fc.weight)
+
+
+def loss_outside_graphs_worker(rank: int, world: int, plan_name: str, name: str) -> dict:
+    """:class:`_LossOutsideGraphs` (a global batch of 8, labels ignored unevenly over the ranks):
+    loss, gradients and the warnings, beside one device's loss and gradients."""
+    compiled, model, reference = _parallelized_copy(lambda: _LossOutsideGraphs(name), plan_name, world, lower="eager")
+    g = torch.Generator().manual_seed(0)
+    x, target, labels = torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g), torch.randint(0, 3, (8,), generator=g)
+    labels[:3] = -100
+    shard = lambda t: t.chunk(world)[rank]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = compiled(shard(x), shard(target), shard(labels))
+        loss.backward()
+    ref_loss = reference(x, target, labels)
+    ref_loss.backward()
+    return {
+        "loss": loss.detach(), "ref_loss": ref_loss.detach(), "warnings": [str(w.message) for w in caught],
+        "grads": [p.grad.full_tensor() for p in model.parameters()], "ref_grads": [p.grad for p in reference.parameters()],
+    }

@@ -56,6 +56,7 @@ def results_w4():
 
 
 # The single-case workers, all on one spawn of 2 ranks (compile_cases.run_workers).
+LOSSES_OUTSIDE_GRAPHS = ["mse", "smooth_l1", "cross_entropy_ignore_index", "norm", "fill_diagonal", "l1_weighted"]
 WORKER_CALLS = [
     ("eager_gradient_worker",),
     ("statistic_output_worker", "ddp"),
@@ -66,6 +67,9 @@ WORKER_CALLS = [
     *(("sequence_first_output_worker", plan, loss) for plan in ("ddp", "fsdp") for loss in ("nll", "ctc")),
     ("alternating_heads_worker", "ddp"),
     ("alternating_heads_worker", "fsdp"),
+    *(("loss_outside_graphs_worker", "ddp", name) for name in LOSSES_OUTSIDE_GRAPHS),
+    ("loss_outside_graphs_worker", "fsdp", "mse"),
+    ("loss_outside_graphs_worker", "fsdp", "fill_diagonal"),
 ]
 # Not the graph-break workers: their second graph reads no parameters and is matched to the one live
 # parallelized model, and a model of an earlier worker stays reachable after it returns (through
@@ -304,6 +308,22 @@ def test_gradient_of_eager_dtensor_code_is_reduced_per_plan(workers):
         # Two backward calls, each summing 2 rows of value 1 (rank 0) and 2 (rank 1): 2 * (2 + 4).
         torch.testing.assert_close(r["grad"], torch.full((1, 4), 12.0))
         assert len(r["warnings"]) == 1
+
+
+@pytest.mark.parametrize(
+    "plan,name", [("ddp", name) for name in LOSSES_OUTSIDE_GRAPHS] + [("fsdp", "mse"), ("fsdp", "fill_diagonal")]
+)
+def test_eager_dtensor_code_in_the_forward_runs_as_one_device(workers, plan, name):
+    """A loss under ``torch._dynamo.disable`` inside the compiled model ran on DTensor's eager rules:
+    torch 2.13 gave 2x the gradients of a mean MSE on 2 ranks (an FSDP parameter read there too),
+    averaged the ranks' means of a cross-entropy with unevenly ignored labels, wrote no diagonal into
+    the row-split tensor, all silently. forward's mode (eager_fallback.ForwardMode) runs such calls on
+    full values, and warns at the user's line."""
+    for r in _worker(workers, "loss_outside_graphs_worker", plan, name):
+        torch.testing.assert_close(r["loss"], r["ref_loss"], rtol=1e-5, atol=1e-6)
+        for got, ref in zip(r["grads"], r["ref_grads"]):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        assert any("outside Dynamo's graphs" in w for w in r["warnings"]), r["warnings"]
 
 
 @pytest.mark.parametrize("plan", ["ddp", "fsdp"])

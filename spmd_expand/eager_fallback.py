@@ -1,0 +1,180 @@
+"""Eager DTensor code in a parallelized model's forward, run as one device would run it.
+
+Under ``torch.compile(model, backend="spmd")`` Dynamo runs parts of a forward outside its graphs: a
+function under ``torch._dynamo.disable`` / ``torch.compiler.disable``, a frame Dynamo skips, the call
+at a graph break. Its values there are DTensors, so torch runs DTensor's eager rules, and those are
+not held to one device's results: in torch 2.13 the gradients of ``F.mse_loss``, ``smooth_l1_loss``,
+``huber_loss``, ``binary_cross_entropy`` and ``soft_margin_loss`` with ``reduction="mean"`` come out
+W times one device's (their backward kernels divide by the local element count), a cross-entropy
+with ``ignore_index`` averages the ranks' means, ``fill_diagonal_`` on a row-split tensor writes
+nothing: wrong answers without an error.
+
+:class:`ForwardMode` is :class:`~spmd_expand.forms.EqualForms` plus one rule for such calls. A torch
+call seen outside Dynamo's tracing (``torch.compiler.is_compiling()`` false) with a DTensor among its
+arguments is run on full values: each DTensor argument is redistributed to ``Replicate`` on its mesh
+(all-gather of a shard, all-reduce of a partial value) and taken as its local tensor, the call runs on
+plain tensors, and each tensor it returns comes back as a replicated DTensor on the first argument's
+mesh. Every rank then computes what one device computes over the global batch, and autograd carries
+the gradients back through ``redistribute``'s and ``to_local``'s backward to the arguments'
+placements (every rank's gradient of a full value is the same, so a shard of it is this rank's). A
+call that mutates a DTensor (a name ending in ``_``, ``__setitem__``, ``__iadd__`` and kin,
+``out=``) writes the full result back into it in its own placements.
+
+Not run this way: metadata reads (``size``, ``dim``, properties such as ``shape`` and ``grad``),
+calls without DTensor arguments (their tensors are already full values: a mask the code builds), and
+ATen operator calls (``torch.ops.aten.*``: what compiled graphs and their runners issue on local
+tensors). The cost is every rank doing that call's compute on the whole batch, plus the gathers;
+:class:`ForwardMode` warns once per call site, naming it, unless the call reads scalars only (``if
+h.sum() > 0``, ``.item()`` at a graph break).
+
+A random op (dropout) run this way draws on each rank from that rank's generator over the whole
+tensor: the ranks agree only if their generators do (the same seed), as one device's run would not
+be reproduced anyway. A view taken this way (``x.view(...)``) is a view of the gathered copy: an
+in-place op through it later writes that copy, not the DTensor it came from.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor, Replicate
+
+from .forms import EqualForms, equal_valued_form
+
+__all__ = ["ForwardMode"]
+
+# Tensor methods that read metadata or autograd state, computing no value: DTensor answers them for the
+# global tensor, which is what one device sees.
+_METADATA = frozenset({
+    "size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset", "is_contiguous",
+    "is_floating_point", "is_complex", "is_signed", "element_size", "get_device", "data_ptr",
+    "requires_grad_", "retain_grad", "register_hook", "register_post_accumulate_grad_hook", "detach",
+    "backward", "__len__", "__repr__", "__str__", "__format__", "__hash__", "__reduce_ex__", "__deepcopy__",
+    "__get__", "__set__", "__delete__",
+})
+_INPLACE_OPERATORS = frozenset(f"__i{op}__" for op in (
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", "lshift", "rshift",
+))
+_OWN_FILES = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+
+
+def _name(func: Callable) -> str:
+    return getattr(func, "__name__", "") or ""
+
+
+def _is_eager_dtensor_call(func: Callable, args: tuple, kwargs: dict) -> bool:
+    if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) or _name(func) in _METADATA:
+        return False
+    return any(isinstance(t, DTensor) for t in pytree.tree_leaves((args, kwargs)))
+
+
+def _mutated(func: Callable, args: tuple, kwargs: dict) -> list[int]:
+    """Positions (in ``(args, kwargs)``'s leaves) of the DTensors the call writes."""
+    name = _name(func)
+    written = []
+    if args and (name in _INPLACE_OPERATORS or name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))):
+        written.append(args[0])
+    written += [t for t in pytree.tree_leaves(kwargs.get("out")) if isinstance(t, torch.Tensor)]
+    leaves = pytree.tree_leaves((args, kwargs))
+    return [i for i, leaf in enumerate(leaves) if isinstance(leaf, DTensor) and any(leaf is w for w in written)]
+
+
+def _full(value: Any) -> Any:
+    """A DTensor's full value as a plain tensor (every rank the same); anything else as it is."""
+    if not isinstance(value, DTensor):
+        return value
+    mesh = value.device_mesh
+    return value.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
+
+
+def _call_site() -> Any:
+    """The innermost frame outside torch and spmd_expand (the user's call), or None."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_OWN_FILES):
+        frame = frame.f_back
+    return frame
+
+
+def run_as_one_device(func: Callable, args: tuple, kwargs: dict, form: Optional[Callable] = None) -> Any:
+    """``func(*args, **kwargs)`` (or its equal-valued ``form``) on the DTensor arguments' full values.
+
+    Returns what the call returns, each tensor in it a replicated DTensor on the first DTensor
+    argument's mesh; a DTensor the call mutates receives the full result in its own placements and is
+    returned as itself. Collectives: one redistribute to ``Replicate`` per DTensor argument.
+    """
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    dtensors = [t for t in leaves if isinstance(t, DTensor)]
+    mesh = dtensors[0].device_mesh
+    written = _mutated(func, args, kwargs)
+    # (A gathered value the call writes is copied first: to_local's output is a custom Function's, which
+    # autograd does not let a view of be written in place.)
+    local = [_full(t).clone() if i in written else _full(t) for i, t in enumerate(leaves)]
+    local_args, local_kwargs = pytree.tree_unflatten(local, spec)
+    call = form if form is not None else func
+    if isinstance(call, functools.partial):  # a form holding a tensor of the call (l1_loss's weight)
+        call = functools.partial(call.func, *map(_full, call.args), **{k: _full(v) for k, v in call.keywords.items()})
+    result = call(*local_args, **local_kwargs)
+    for i in written:
+        target: DTensor = leaves[i]
+        full = DTensor.from_local(local[i], target.device_mesh, [Replicate()] * target.device_mesh.ndim, run_check=False)
+        target.copy_(full.redistribute(target.device_mesh, target.placements))
+    replaced = {id(local[i]): leaves[i] for i in written}
+
+    def wrap(value: Any) -> Any:
+        if id(value) in replaced:
+            return replaced[id(value)]
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return value
+
+    return pytree.tree_map(wrap, result)
+
+
+def _warn(func: Callable, frame: Any) -> None:
+    """One warning at the user's line (Python's warning filters show it once per line by default)."""
+    where = (frame.f_code.co_filename, frame.f_lineno, frame.f_globals) if frame is not None else ("<unknown>", 0, {})
+    warnings.warn_explicit(
+        f"torch.compile(backend=\"spmd\"): {_name(func) or func} ran on DTensors outside Dynamo's graphs "
+        f"(torch._dynamo.disable, torch.compiler.disable, a frame Dynamo skipped, or the call at a graph break), "
+        f"where DTensor's eager rules can give other values than one device. spmd_expand runs it as one device "
+        f"would: its DTensor arguments gathered to their full values on every rank (right values; that call's "
+        f"compute is done for the whole batch on each rank). Let Dynamo compile it for data-parallel speed "
+        f"(TORCH_LOGS=graph_breaks shows why it did not)",
+        UserWarning, where[0], where[1], module=where[2].get("__name__", "<unknown>"),
+        registry=where[2].setdefault("__warningregistry__", {}),
+    )
+
+
+class ForwardMode(EqualForms):
+    """The torch-function mode of a parallelized model's forward under ``torch.compile(backend="spmd")``:
+    :class:`~spmd_expand.forms.EqualForms` while Dynamo traces, and outside its tracing a torch call on
+    DTensors run as one device would (:func:`run_as_one_device`), warning at the user's line."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        form = equal_valued_form(func, args, kwargs)
+        if not torch.compiler.is_compiling():
+            return _call_eagerly(func, args, kwargs, form)
+        return form(*args, **kwargs)
+
+
+# Dynamo inlines the handler where it traces the forward, and must not compile it as a frame of its own:
+# called from code Dynamo runs eagerly (a frame it skipped after an exception), the handler was traced
+# as a frame with is_compiling() true, taking the traced path for an eager call (and in torch 2.13 that
+# compiled handler returned a dtype for `x.ndim`). The eager path itself runs with Dynamo off.
+torch._dynamo.eval_frame.skip_code(ForwardMode.__torch_function__.__code__)
+
+
+@torch._dynamo.disable
+def _call_eagerly(func: Callable, args: tuple, kwargs: dict, form: Callable) -> Any:
+    if not _is_eager_dtensor_call(func, args, kwargs):
+        return form(*args, **kwargs)
+    if any(t.numel() > 1 for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, DTensor)):
+        _warn(func, _call_site())  # (not for a scalar read at a graph break: `if loss > 0`, `.item()`)
+    return run_as_one_device(func, args, kwargs, form)
