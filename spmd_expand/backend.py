@@ -534,6 +534,15 @@ def _owner(example_inputs: Sequence[Any], options: dict) -> tuple[nn.Module, _Pa
 
         # The model parallelized with these very objects, else with equal ones.
         owners = parallelized_with(operator.is_) or parallelized_with(_same_setting)
+        if len(owners) > 1:
+            raise SpmdError(
+                f"torch.compile(backend=\"spmd\"): a graph that reads no parameters (the part of a forward after "
+                f"a graph break, or a hook Dynamo compiles apart) matches {len(owners)} parallelized models "
+                f"({', '.join(type(m).__name__ for m, _ in owners)}), parallelized with the same mesh and plan: "
+                f"spmd_expand cannot tell which model it belongs to. Give each model its own plan object "
+                f"(spmd.parallelize(model_b, mesh, spmd.DDP()) with a new spmd.DDP(), and the same object in "
+                f"its torch.compile options), or drop the references to models no longer used"
+            )
     if len(owners) != 1:
         what = "reads parameters of" if ids else "reads no parameters and matches"
         raise SpmdError(
@@ -811,6 +820,7 @@ class _GraphCompiler:
             redistribute_cache=RedistributeCache(),
             out_placements=out_placements,
             parameter_hooks=False,  # eager autograd runs them on the DTensor gradients this returns
+            warn_trace_time_python=False,  # Dynamo runs the forward's Python (a print) on every call
             num_tangents=len(diff_outputs) if joint else 0,
             num_forward_outputs=len(outputs),
         )

@@ -331,6 +331,7 @@ def expand_step(
     float_args: Sequence[Any] = (),
     tensor_constants: Sequence[Any] = (),
     grad_enabled: bool = True,
+    warn_trace_time_python: bool = True,
 ) -> StepArtifacts:
     """Run the stages up to the local passes (not lower) and return what they produced.
 
@@ -347,7 +348,8 @@ def expand_step(
     :func:`~spmd_expand.trace.step_float_constants`), after the optimizer's hyperparameters.
     ``tensor_constants``: the places of the tensors the step reads from elsewhere, whose inputs have
     ``constant`` roles (:func:`~spmd_expand.trace.step_tensor_constants`). ``grad_enabled``: the
-    caller's grad mode (see :func:`~spmd_expand.trace.trace_step`).
+    caller's grad mode (see :func:`~spmd_expand.trace.trace_step`); ``warn_trace_time_python``: warn
+    where the step's Python prints or assigns (False for the backend, where Dynamo runs that code).
 
     Raises:
         TraceError, UnsupportedOpError, PlacementError, PassError: from the stage that failed.
@@ -358,7 +360,7 @@ def expand_step(
         traced = trace_step(
             fn, args, kwargs, model, optimizer, roles, specs, plan.module_layouts(), plan.mixed_precision(model),
             parameter_hooks=parameter_hooks, float_args=float_args, tensor_constants=tensor_constants,
-            grad_enabled=grad_enabled,
+            grad_enabled=grad_enabled, warn_trace_time_python=warn_trace_time_python,
         )
     # The trace-time module swaps above are undone: bind the module reads to the model's own modules.
     traced.python_guards.bind(model)

@@ -1233,6 +1233,7 @@ def trace_step(
     float_args: Sequence[FloatArgument] = (),
     tensor_constants: Sequence[TensorConstant] = (),
     grad_enabled: bool = True,
+    warn_trace_time_python: bool = True,
 ) -> TracedStep:
     """Trace ``fn(*args, **kwargs)`` into a functional global graph.
 
@@ -1253,6 +1254,9 @@ def trace_step(
         grad_enabled: the caller's grad mode. The step is traced with gradients on; where one device's
             code path depends on the caller's mode (:func:`~spmd_expand.forms.encoder_nested_fast_path`)
             it takes this one, and the graph is guarded on it (:func:`_switch_guards`).
+        warn_trace_time_python: warn where the step's Python code prints or assigns, which runs only
+            while it is traced (``spmd.compile``); False where Dynamo captured ``fn``'s graph and runs
+            that Python itself on every call (the ``torch.compile`` backend).
         input_roles / input_specs: one entry per graph input, with global shapes. Batch inputs
             (``kind == "batch"``, ``key`` = index among the tensor leaves of ``(args, kwargs)``) take
             the place of those leaves; param/buffer/grad/state inputs replace the model's and
@@ -1480,7 +1484,7 @@ def trace_step(
         raise TraceError(f"could not trace {where}: {kind}: {str(e).splitlines()[0] if str(e) else ''}\n  fix: {hint}") from e
 
     _warn_changed_python_states(state_writes, python_states_before)
-    for write in code_writes([fn]):
+    for write in code_writes([fn]) if warn_trace_time_python else ():
         warnings.warn(
             f"spmd.compile: the step assigns {write}; a compiled step's Python code runs when it is traced "
             f"(the first call and each recompilation), not on every call: a Python number it assigns is "
@@ -1488,7 +1492,7 @@ def trace_step(
             f"only when traced; keep such bookkeeping outside the compiled step, or in a buffer it updates",
             stacklevel=2,
         )
-    for where in code_prints(user_functions):
+    for where in code_prints(user_functions) if warn_trace_time_python else ():
         warnings.warn(
             f"spmd.compile: the step calls print() at {where}; a compiled step's Python code runs when it is "
             f"traced (the first call and each recompilation), where tensors are stand-ins without values "

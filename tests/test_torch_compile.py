@@ -7,6 +7,8 @@ LR scheduler and gradient clipping in the loop (tests/compile_cases.py); errors 
 from __future__ import annotations
 
 import importlib.metadata
+import io
+import warnings
 
 import pytest
 import torch
@@ -477,3 +479,51 @@ def test_activation_checkpointing_of_sharded_parameters_is_refused_with_the_fix(
     error = _backend_error(lambda x: compiled(x).sum().backward(), torch.randn(4, 8))
     assert "tag_activation_checkpoint (at File" in str(error) and "test_torch_compile.py" in str(error), str(error)
     assert "compile the whole step with spmd.compile" in str(error) and "batch_dim" not in str(error), str(error)
+
+
+class _Prints(nn.Module):
+    """A forward with a print (Dynamo breaks the graph there and runs it on every call)."""
+
+    def __init__(self, sink):
+        super().__init__()
+        self.sink = sink
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        print("h", tuple(h.shape), file=self.sink)
+        return self.b(h)
+
+
+def test_a_print_in_the_forward_is_not_warned_about(fake_mesh):
+    """spmd.compile warns that a step's print() runs only while traced; the backend said the same of
+    a print in the forward ("spmd.compile: the step calls print()"), which Dynamo runs on every call."""
+    plan = spmd.DDP()
+    sink = io.StringIO()
+    model = spmd.parallelize(_Prints(sink), fake_mesh, plan)
+    compiled = torch.compile(model, backend="spmd", options={"mesh": fake_mesh, "plan": plan, "lower": "eager"})
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                compiled(torch.randn(2, 8)).sum().backward()
+        assert not [w for w in caught if "print()" in str(w.message)], [str(w.message) for w in caught]
+        assert sink.getvalue().count("h (8, 8)") == 2  # the global shape, printed on each call
+    finally:
+        torch._dynamo.reset()
+
+
+def test_two_models_with_one_plan_object_and_a_graph_break_name_the_fix(fake_mesh):
+    """The graph after a graph break reads no parameters and is matched to its model by the options'
+    mesh and plan objects: two models parallelized with one plan object cannot be told apart, and the
+    error said only "matches 2 parallelized models"; it names the fix."""
+    plan = spmd.DDP()
+    first = spmd.parallelize(_Prints(io.StringIO()), fake_mesh, plan)
+    second = spmd.parallelize(_Prints(io.StringIO()), fake_mesh, plan)
+    compiled = torch.compile(first, backend="spmd", options={"mesh": fake_mesh, "plan": plan, "lower": "eager"})
+    try:
+        with pytest.raises(Exception, match=r"matches 2 parallelized models .*own plan object"):
+            compiled(torch.randn(2, 8))
+    finally:
+        del second
+        torch._dynamo.reset()
