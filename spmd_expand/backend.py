@@ -65,6 +65,7 @@ from .passes import resolve_passes
 from .pipeline import JointArtifacts, cyclic_gc_paused, describe_compilation, expand_joint, log, stage_seconds
 from .plans import Plan, ResolvedPlan, TensorParallel, _DataParallel, resolve_plan
 from .spec import replicate
+from .python_values import PythonGuards
 from .trace import InputRole, TensorSpec, TracedStep
 from .watch import as_timedelta, set_group_timeouts
 
@@ -885,6 +886,10 @@ class _Runtime:
         self.lower = compiler.lower
         self.what = compiler.what  # for log lines
         self.ran_passes = frozenset(r.name for r in artifacts.step.passes)
+        # Dynamo guards the Python this graph came from; the trace's own guards (spmd.compile's, which
+        # hold the model's modules) are not read here, and kept they would keep the model alive as long
+        # as Dynamo's compiled code, a global of the forward's module that torch._dynamo.reset() leaves.
+        artifacts.step.traced.python_guards = PythonGuards()
         self.artifacts = artifacts
         self.tensor_positions = [i for i, s in enumerate(slots) if s.kind in ("param", "buffer")] + [
             i for i, s in enumerate(slots) if s.kind == "input"

@@ -72,10 +72,11 @@ WORKER_CALLS = [
     *(("loss_outside_graphs_worker", "ddp", name) for name in LOSSES_OUTSIDE_GRAPHS),
     ("loss_outside_graphs_worker", "fsdp", "mse"),
     ("loss_outside_graphs_worker", "fsdp", "fill_diagonal"),
+    # Graph-break workers: their second graph reads no parameters and is matched to the one live
+    # parallelized model, so an earlier worker's model must be freed by then (run_workers collects it).
+    *(("sum_across_break_worker", reduction) for reduction in ("sum", "mean", "norm")),
+    ("count_read_as_number_worker",),
 ]
-# Not the graph-break workers: their second graph reads no parameters and is matched to the one live
-# parallelized model, and a model of an earlier worker stays reachable after it returns (through
-# Dynamo's or the backend's state; not found yet), so they spawn their own ranks.
 
 
 @pytest.fixture(scope="module")
@@ -241,6 +242,25 @@ def test_a_parallelized_model_is_freed_with_its_last_reference(fake_mesh):
     assert alive() is None
 
 
+def test_a_compiled_model_is_freed_after_its_last_reference_and_a_dynamo_reset(fake_mesh):
+    """Dynamo keeps each compiled graph as a global of the forward's module (torch._dynamo.reset()
+    leaves it); the backend's compiled graph held the trace's Python guards, and through them every
+    module of the model: no compiled model was ever freed (a later graph reading no parameters then
+    matched it too)."""
+    import gc
+    import weakref
+
+    plan = spmd.DDP()
+    model = spmd.parallelize(compile_cases.BreakMLP(), fake_mesh, plan)
+    compiled = torch.compile(model, backend="spmd", options={"mesh": fake_mesh, "plan": plan, "lower": "eager"})
+    compiled(torch.randn(4, 12)).sum().backward()
+    alive = weakref.ref(model)
+    del model, compiled
+    torch._dynamo.reset()
+    gc.collect()
+    assert alive() is None
+
+
 def test_parallelize_again_after_dynamo_reset(fake_mesh):
     from torch._dynamo.callback import callback_handler
 
@@ -389,22 +409,22 @@ def test_an_output_no_loss_uses_gives_its_parameters_no_gradient(workers, plan):
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean", "norm"])
-def test_a_reduction_over_the_batch_across_a_graph_break_gets_one_devices_gradient(reduction):
+def test_a_reduction_over_the_batch_across_a_graph_break_gets_one_devices_gradient(workers, reduction):
     """A partial value (a reduction over the batch) leaving one graph for the next at a break. A sum's
     gradient came back declared partial too, and was summed over the ranks again: the first layer's
     gradient was W times one device's, silently (HF Llama with num_items_in_batch and a printing
     forward hook: lm_head's gradient norm 1.4724 where one device had 0.7362); a mean or a norm stopped
     with a PlacementError (S(0) to P(avg); P(sum) to _NormP(2)). Partial values leave a graph reduced."""
-    for r in run_local(compile_cases.sum_across_break_worker, 2, reduction, timeout_s=300):
+    for r in _worker(workers, "sum_across_break_worker", reduction):
         for got, ref in zip(r["grads"], r["ref_grads"]):
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
 
 
-def test_a_count_over_the_batch_read_as_a_number_is_the_global_count():
+def test_a_count_over_the_batch_read_as_a_number_is_the_global_count(workers):
     """``n = (labels >= 0).sum().item()`` inside forward: Dynamo breaks the graph there and the sum
     left the first graph partial, so ``.item()`` read this rank's part (4 of 8): the loss was twice one
     device's, silently. Partial values leave a graph reduced now."""
-    for r in run_local(compile_cases.count_read_as_number_worker, 2, timeout_s=300):
+    for r in _worker(workers, "count_read_as_number_worker"):
         torch.testing.assert_close(r["loss"], r["ref_loss"], rtol=1e-4, atol=1e-6)  # a scalar: its full value
         for got, ref in zip(r["grads"], r["ref_grads"]):
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
