@@ -50,6 +50,9 @@
 * ``_weight_norm_interface_backward`` (``weight_norm``'s backward): replicated, partial in the incoming
   gradient (it is linear in it), or split along the normalized dim (registered with DTensor).
 
+* ``unfold`` (``Tensor.unfold``) and ``unfold_backward``: split on any dim but the windowed one,
+  partial, or replicated (registered with DTensor).
+
 * ``embedding_renorm_`` / ``embedding_renorm`` (rows of an embedding rescaled to ``max_norm``, called on
   the parameter): weight and indices replicated (registered with DTensor).
 
@@ -787,6 +790,27 @@ def _weight_norm_backward_sharding(grad_w, v, g, norms, dim):
         d = dim % len(v.shape)
         strategies.append(([Shard(d), Shard(d)], [Shard(d), Shard(d), Shard(d), Shard(d), None]))
     return strategies
+
+
+# ``unfold(self, dimension, size, step)`` (``Tensor.unfold``: windows along ``dimension``, a new last dim
+# of ``size``; patch extraction) and its backward ``unfold_backward(grad, input_sizes, dim, size, step)``
+# (the windows summed back): each slice across the other dims is windowed alone, so a split on any
+# other dim stays where it is (the new last dim is not split); both are linear, so a partial value stays
+# partial; or all replicated. A split on ``dimension`` itself has no strategy: DTensor gathers it.
+def _window_strategies(ndim: int, dim: int, others: int) -> list:
+    d = dim % ndim
+    placements = [Replicate(), Partial()] + [Shard(k) for k in range(ndim) if k != d]
+    return [([p], [p] + [None] * others) for p in placements]
+
+
+@register_sharding(aten.unfold.default)
+def _unfold_sharding(self, dimension, size, step):
+    return _window_strategies(len(self.shape), dimension, 3)
+
+
+@register_sharding(aten.unfold_backward.default)
+def _unfold_backward_sharding(grad, input_sizes, dim, size, step):
+    return _window_strategies(len(input_sizes), dim, 4)
 
 
 # ``embedding_renorm_(weight, indices, max_norm, norm_type)``: rescales, in place, the rows of the

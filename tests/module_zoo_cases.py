@@ -286,6 +286,23 @@ class _TokenPool(nn.Module):
         return self.out(torch.flatten(self.pool(self.proj(x).transpose(1, 2)), 1))
 
 
+class _UnfoldPatches(nn.Module):
+    """Image patches cut with ``Tensor.unfold`` (height, then width), flattened into tokens and
+    embedded (a vision transformer's patch embedding written without a strided convolution), after a
+    1x1 convolution so that the windows' gradient (``unfold_backward``) is computed too."""
+
+    def __init__(self):
+        super().__init__()
+        self.mix = nn.Conv2d(3, 3, 1)
+        self.embed = nn.Linear(3 * 4 * 4, 16)
+        self.out = nn.Linear(16, CLASSES)
+
+    def forward(self, x):
+        patches = self.mix(x).unfold(2, 4, 4).unfold(3, 4, 4)  # (B, 3, 2, 2, 4, 4)
+        tokens = patches.permute(0, 2, 3, 1, 4, 5).flatten(3).flatten(1, 2)  # (B, 4, 48)
+        return self.out(F.gelu(self.embed(tokens)).mean(1))
+
+
 def _channels_last_cnn():
     """A CNN in channels-last memory format (``model.to(memory_format=torch.channels_last)``, a common
     speed-up for vision training), global-average-pooled by ``AdaptiveAvgPool2d(1)``."""
@@ -372,6 +389,7 @@ MODELS = {
     "replication_reflection_circular_pads": (_pads, _images),
     "checkpointed_forms": (_CheckpointedForms, _bags),
     "token_pool_adaptive_avg_pool1d": (_TokenPool, _sequences),
+    "unfold_patches": (_UnfoldPatches, _images),
     "channels_last_cnn": (_channels_last_cnn, lambda g: _images(g).to(memory_format=torch.channels_last)),
     "transformer_encoder": (_Encoder, _sequences),
     "transformer": (_Transformer, _sequences),
