@@ -27,10 +27,17 @@ tensors). The cost is every rank doing that call's compute on the whole batch, p
 :class:`ForwardMode` warns once per call site, naming it, unless the call reads scalars only (``if
 h.sum() > 0``, ``.item()`` at a graph break).
 
+Aliases stay aliases, as on one device: a call that returns its argument itself (``contiguous()``,
+``.to()`` of its own dtype) returns the DTensor, and a view op (``h[:, 0]``, ``narrow``,
+``diagonal``) is run on the DTensors themselves where DTensor also gives a view with the same values,
+so a later write through it reaches the tensor and autograd records it. Where DTensor copies instead
+(a view across the split dim: ``h[0]`` of row-split rows), the view is the gathered copy, and a write
+into either side is refused (``UnsupportedOpError``: it would reach one of them only). An in-place
+change of shape (``unsqueeze_``) is DTensor's own, refused where DTensor has no rule.
+
 A random op (dropout) run this way draws on each rank from that rank's generator over the whole
 tensor: the ranks agree only if their generators do (the same seed), as one device's run would not
-be reproduced anyway. A view taken this way (``x.view(...)``) is a view of the gathered copy: an
-in-place op through it later writes that copy, not the DTensor it came from.
+be reproduced anyway.
 """
 
 from __future__ import annotations
@@ -39,24 +46,32 @@ import functools
 import os
 import sys
 import warnings
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Replicate
 
+from .errors import UnsupportedOpError
 from .forms import EqualForms, equal_valued_form
 
 __all__ = ["ForwardMode"]
 
-# Tensor methods that read metadata or autograd state, computing no value: DTensor answers them for the
-# global tensor, which is what one device sees.
+# Calls that read metadata or autograd state, computing no value (``grad``: ``torch.autograd.grad``, whose
+# inputs must stay the DTensors themselves): DTensor answers them for the global tensor, which is what one
+# device sees.
 _METADATA = frozenset({
     "size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset", "is_contiguous",
     "is_floating_point", "is_complex", "is_signed", "element_size", "get_device", "data_ptr",
     "requires_grad_", "retain_grad", "register_hook", "register_post_accumulate_grad_hook", "detach",
-    "backward", "__len__", "__repr__", "__str__", "__format__", "__hash__", "__reduce_ex__", "__deepcopy__",
+    "backward", "grad", "__len__", "__repr__", "__str__", "__format__", "__hash__", "__reduce_ex__", "__deepcopy__",
     "__get__", "__set__", "__delete__",
+    "detach_", "share_memory_",
+})
+# In place, of the shape only (the same values): DTensor's own rule where it has one (see _call_eagerly).
+_SHAPE_IN_PLACE = frozenset({
+    "unsqueeze_", "squeeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "as_strided_", "resize_", "resize_as_",
 })
 _INPLACE_OPERATORS = frozenset(f"__i{op}__" for op in (
     "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", "lshift", "rshift",
@@ -79,7 +94,7 @@ def _mutated(func: Callable, args: tuple, kwargs: dict) -> list[int]:
     name = _name(func)
     written = []
     if args and (name in _INPLACE_OPERATORS or name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))):
-        written.append(args[0])
+        written += pytree.tree_leaves(args[0])  # a tensor, or the list a _foreach_*_ op writes
     written += [t for t in pytree.tree_leaves(kwargs.get("out")) if isinstance(t, torch.Tensor)]
     leaves = pytree.tree_leaves((args, kwargs))
     return [i for i, leaf in enumerate(leaves) if isinstance(leaf, DTensor) and any(leaf is w for w in written)]
@@ -105,13 +120,20 @@ def run_as_one_device(func: Callable, args: tuple, kwargs: dict, form: Optional[
     """``func(*args, **kwargs)`` (or its equal-valued ``form``) on the DTensor arguments' full values.
 
     Returns what the call returns, each tensor in it a replicated DTensor on the first DTensor
-    argument's mesh; a DTensor the call mutates receives the full result in its own placements and is
-    returned as itself. Collectives: one redistribute to ``Replicate`` per DTensor argument.
+    argument's mesh, except where one device's call returns an alias of an argument: an argument
+    returned as itself (``contiguous()``, ``.to()`` of its own dtype) is that DTensor, and a view of
+    one (``h[:, 0]``, ``narrow``, ``diagonal``) is :func:`_dtensor_views`'s. A DTensor the call mutates
+    receives the full result in its own placements and is returned as itself. Collectives: one
+    redistribute to ``Replicate`` per DTensor argument.
+
+    Raises:
+        UnsupportedOpError: the call writes into a view that is a copy here (:func:`_refuse_stale_aliases`).
     """
     leaves, spec = pytree.tree_flatten((args, kwargs))
     dtensors = [t for t in leaves if isinstance(t, DTensor)]
     mesh = dtensors[0].device_mesh
     written = _mutated(func, args, kwargs)
+    _refuse_stale_aliases(func, [leaves[i] for i in written])
     # (A gathered value the call writes is copied first: to_local's output is a custom Function's, which
     # autograd does not let a view of be written in place.)
     local = [_full(t).clone() if i in written else _full(t) for i, t in enumerate(leaves)]
@@ -124,16 +146,85 @@ def run_as_one_device(func: Callable, args: tuple, kwargs: dict, form: Optional[
         target: DTensor = leaves[i]
         full = DTensor.from_local(local[i], target.device_mesh, [Replicate()] * target.device_mesh.ndim, run_check=False)
         target.copy_(full.redistribute(target.device_mesh, target.placements))
-    replaced = {id(local[i]): leaves[i] for i in written}
+    inputs = {i: local[i] for i, leaf in enumerate(leaves) if isinstance(leaf, DTensor)}
+    itself = {id(full): leaves[i] for i, full in inputs.items()}
+    outputs = [v for v in pytree.tree_leaves(result) if isinstance(v, torch.Tensor) and id(v) not in itself]
+    if not written and any(_same_storage(v, full) for v in outputs for full in inputs.values()):
+        views = _dtensor_views(func, args, kwargs, result)
+        if views is not None:
+            return views
+        bases = [leaves[i] for i in inputs]
+    else:
+        bases = []
 
     def wrap(value: Any) -> Any:
-        if id(value) in replaced:
-            return replaced[id(value)]
+        if id(value) in itself:
+            return itself[id(value)]
         if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-            return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
+            out = DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
+            if bases and len(_STALE_ALIASES) > 1024:
+                _prune_stale_aliases()
+            for base in bases:  # a view on one device, a copy here: writes to either must not happen
+                _STALE_ALIASES.append((weakref.ref(base), weakref.ref(out)))
+            return out
         return value
 
     return pytree.tree_map(wrap, result)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.numel() > 0 and b.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _dtensor_views(func: Callable, args: tuple, kwargs: dict, full_result: Any) -> Any:
+    """The call on the DTensors themselves, where it is a view op whose results DTensor also gives as
+    views (each result's local tensor in the storage of an argument's) with the full values of
+    ``full_result``: autograd then sees a write through them as a write to the tensor they view, as on
+    one device. None where DTensor copies instead (a view across a split dim) or raises."""
+    try:
+        views = func(*args, **kwargs)
+    except Exception:
+        return None
+    sources = [t._local_tensor for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, DTensor)]
+    got, want = pytree.tree_leaves(views), pytree.tree_leaves(full_result)
+    if len(got) != len(want):
+        return None
+    if [isinstance(full, torch.Tensor) for full in want] != [isinstance(view, DTensor) for view in got]:
+        return None
+    pairs = [(view, full) for view, full in zip(got, want) if isinstance(view, DTensor)]
+    # (Every rank gathers every view before any decides: the decision then holds on all ranks alike.)
+    equal = [torch.equal(view.full_tensor(), full) for view, full in pairs]
+    if not all(equal) or not all(any(_same_storage(view._local_tensor, source) for source in sources) for view, _ in pairs):
+        return None
+    return views
+
+
+# (base DTensor, its "view" DTensor) where one device's call returns a view and the fallback a copy: a
+# write to either would not reach the other here. Pruned as the tensors are freed.
+_STALE_ALIASES: list[tuple[weakref.ref, weakref.ref]] = []
+
+
+def _prune_stale_aliases() -> None:
+    _STALE_ALIASES[:] = [(b, v) for b, v in _STALE_ALIASES if b() is not None and v() is not None]
+
+
+def _refuse_stale_aliases(func: Callable, targets: list) -> None:
+    """Raise where the call writes into one side of a :data:`_STALE_ALIASES` pair."""
+    if not targets:
+        return
+    _prune_stale_aliases()
+    for base, view in _STALE_ALIASES:
+        if any(t is base() or t is view() for t in targets):
+            frame = _call_site()
+            where = "an unknown line" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+            raise UnsupportedOpError(
+                f"torch.compile(backend=\"spmd\"): {_name(func) or func} at {where} writes in place into a "
+                f"tensor that has a view, or is one, taken in code outside Dynamo's graphs across the dim the "
+                f"ranks split (placements {tuple(base().placements)}). On one device the write reaches both; "
+                f"spmd_expand ran that view as a gathered copy, so it would reach one of them only.\n"
+                f"  fix: write out of place (`h = h.clone()` before the write, or `torch.where`/`index_put` "
+                f"instead of a write through the view), or let Dynamo compile that code"
+            )
 
 
 def _warn(func: Callable, frame: Any) -> None:
@@ -175,6 +266,17 @@ torch._dynamo.eval_frame.skip_code(ForwardMode.__torch_function__.__code__)
 def _call_eagerly(func: Callable, args: tuple, kwargs: dict, form: Callable) -> Any:
     if not _is_eager_dtensor_call(func, args, kwargs):
         return form(*args, **kwargs)
+    if _name(func) in _SHAPE_IN_PLACE:
+        try:
+            return form(*args, **kwargs)
+        except NotImplementedError as e:  # DTensor has no rule: a DTensor's shape cannot change in place
+            frame = _call_site()
+            where = "an unknown line" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+            raise UnsupportedOpError(
+                f"torch.compile(backend=\"spmd\"): {_name(func)} at {where} changes the shape of a DTensor in place "
+                f"in code outside Dynamo's graphs, which DTensor has no rule for ({e}).\n"
+                f"  fix: use the out-of-place op (`h = h.{_name(func)[:-1]}(...)`), or let Dynamo compile that code"
+            ) from e
     if any(t.numel() > 1 for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, DTensor)):
         _warn(func, _call_site())  # (not for a scalar read at a graph break: `if loss > 0`, `.item()`)
     return run_as_one_device(func, args, kwargs, form)

@@ -553,6 +553,27 @@ def _loss_outside_graphs(name: str, h, target, labels, weight):
         return F.l1_loss(h, target, reduction="sum")
     if name == "l1_weighted":
         return F.l1_loss(h, target, weight=target.abs())
+    if name == "write_through_view":  # a view of a value computed here: autograd must see the write
+        h = h * 1.0
+        h[:, 0].zero_()
+        h.narrow(1, 1, 1).mul_(0.5)
+        return F.mse_loss(h, target)
+    if name == "write_through_alias":  # contiguous() / .to() of its own dtype return the tensor itself
+        h.contiguous().mul_(2.0)
+        h.to(torch.float32).add_(1.0)
+        return F.mse_loss(h, target)
+    if name == "foreach_in_place":  # a list of targets
+        a, b = h * 1.0, h * 2.0
+        torch._foreach_mul_([a, b], 0.5)
+        return F.mse_loss(a + b, target)
+    if name == "shape_in_place":  # DTensor has no rule for unsqueeze_: refused, naming the fix
+        return F.mse_loss((h * 1.0).unsqueeze_(0)[0], target)
+    if name == "gradient_penalty":  # torch.autograd.grad on the DTensors themselves
+        (g,) = torch.autograd.grad(h.square().sum(), h, create_graph=True)
+        return F.mse_loss(h, target) + 0.01 * g.square().mean()
+    if name == "write_into_view_across_split":  # h[0] is a copy here (h is split on dim 0): refused
+        h[0].zero_()
+        return F.mse_loss(h, target)
     raise ValueError(name)
 
 

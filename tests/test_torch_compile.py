@@ -58,7 +58,14 @@ def results_w4():
 
 
 # The single-case workers, all on one spawn of 2 ranks (compile_cases.run_workers).
-LOSSES_OUTSIDE_GRAPHS = ["mse", "smooth_l1", "cross_entropy_ignore_index", "norm", "fill_diagonal", "l1_weighted"]
+LOSSES_OUTSIDE_GRAPHS = [
+    "mse", "smooth_l1", "cross_entropy_ignore_index", "norm", "fill_diagonal", "l1_weighted",
+    "write_through_view", "write_through_alias", "foreach_in_place", "gradient_penalty",
+]
+REFUSED_OUTSIDE_GRAPHS = {
+    "write_into_view_across_split": "writes in place into a tensor that has a view, or is one",
+    "shape_in_place": "changes the shape of a DTensor in place",
+}
 WORKER_CALLS = [
     ("eager_gradient_worker",),
     ("statistic_output_worker", "ddp"),
@@ -72,6 +79,8 @@ WORKER_CALLS = [
     *(("loss_outside_graphs_worker", "ddp", name) for name in LOSSES_OUTSIDE_GRAPHS),
     ("loss_outside_graphs_worker", "fsdp", "mse"),
     ("loss_outside_graphs_worker", "fsdp", "fill_diagonal"),
+    ("loss_outside_graphs_worker", "fsdp", "write_through_alias"),
+    *(("loss_outside_graphs_worker", "ddp", name) for name in REFUSED_OUTSIDE_GRAPHS),
     # Graph-break workers: their second graph reads no parameters and is matched to the one live
     # parallelized model, so an earlier worker's model must be freed by then (run_workers collects it).
     *(("sum_across_break_worker", reduction) for reduction in ("sum", "mean", "norm")),
@@ -333,19 +342,33 @@ def test_gradient_of_eager_dtensor_code_is_reduced_per_plan(workers):
 
 
 @pytest.mark.parametrize(
-    "plan,name", [("ddp", name) for name in LOSSES_OUTSIDE_GRAPHS] + [("fsdp", "mse"), ("fsdp", "fill_diagonal")]
+    "plan,name",
+    [("ddp", name) for name in LOSSES_OUTSIDE_GRAPHS] + [("fsdp", "mse"), ("fsdp", "fill_diagonal"), ("fsdp", "write_through_alias")],
 )
 def test_eager_dtensor_code_in_the_forward_runs_as_one_device(workers, plan, name):
     """A loss under ``torch._dynamo.disable`` inside the compiled model ran on DTensor's eager rules:
     torch 2.13 gave 2x the gradients of a mean MSE on 2 ranks (an FSDP parameter read there too),
     averaged the ranks' means of a cross-entropy with unevenly ignored labels, wrote no diagonal into
     the row-split tensor, all silently. forward's mode (eager_fallback.ForwardMode) runs such calls on
-    full values, and warns at the user's line."""
+    full values, and warns at the user's line. Writes through views and aliases (``h[:, 0].zero_()``,
+    ``h.contiguous().mul_(2)``: the tensor itself on one device) reach the tensor, and autograd sees them;
+    ``torch._foreach_mul_`` writes its list, ``torch.autograd.grad`` differentiates the DTensors themselves."""
     for r in _worker(workers, "loss_outside_graphs_worker", plan, name):
         torch.testing.assert_close(r["loss"], r["ref_loss"], rtol=1e-5, atol=1e-6)
         for got, ref in zip(r["grads"], r["ref_grads"]):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
         assert any("outside Dynamo's graphs" in w for w in r["warnings"]), r["warnings"]
+
+
+@pytest.mark.parametrize("name", list(REFUSED_OUTSIDE_GRAPHS))
+def test_eager_writes_the_fallback_cannot_keep_are_refused(workers, name):
+    """Writes through an alias are kept where DTensor gives the view too (the cases above); a view
+    across the split dim (``h[0]`` of row-split rows) is a gathered copy here, so a write into it
+    would reach only one side: refused, as is a shape change in place DTensor has no rule for (a raw
+    sharding-propagation error before)."""
+    for rank, res in enumerate(workers):
+        error = res[("loss_outside_graphs_worker", "ddp", name)].get("error", "")
+        assert "UnsupportedOpError" in error and REFUSED_OUTSIDE_GRAPHS[name] in error and "fix:" in error, f"rank {rank}:\n{error}"
 
 
 @pytest.mark.parametrize("plan", ["ddp", "fsdp"])
