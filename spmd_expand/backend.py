@@ -675,7 +675,9 @@ class _GraphCompiler:
                         f"torch.compile(backend=\"spmd\"): graph input {node.target} is a plain tensor used by "
                         f"{getattr(other.target, '__name__', other.target)}{_source_line(other)}, not by a model from "
                         f"spmd.parallelize; pass local tensors to the parallelized model and compute on its results "
-                        f"outside the compiled region"
+                        f"outside the compiled region. (A plain tensor the forward itself builds in code Dynamo does "
+                        f"not compile, e.g. `z = torch.zeros(n, d); z[:] = h` under torch._dynamo.disable, is one too: "
+                        f"build it from a DTensor there, `z = torch.zeros_like(h)`, or in compiled code.)"
                     )
                 dt = users[0].meta["example_value"]
                 placements = tuple(dt.placements)
