@@ -35,6 +35,10 @@ so a later write through it reaches the tensor and autograd records it. Where DT
 into either side is refused (``UnsupportedOpError``: it would reach one of them only). An in-place
 change of shape (``unsqueeze_``) is DTensor's own, refused where DTensor has no rule.
 
+Calls whose output's size depends on values (``torch.nonzero``, ``unique``, ``bincount``, ``h[mask]``),
+which DTensor has no rule for while Dynamo captures, break the graph (``torch._dynamo.graph_break()``
+from the mode): they then run this way, as one device.
+
 A random op (dropout) run this way draws on each rank from that rank's generator over the whole
 tensor: the ranks agree only if their generators do (the same seed), as one device's run would not
 be reproduced anyway.
@@ -87,6 +91,22 @@ def _is_eager_dtensor_call(func: Callable, args: tuple, kwargs: dict) -> bool:
     if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) or _name(func) in _METADATA:
         return False
     return any(isinstance(t, DTensor) for t in pytree.tree_leaves((args, kwargs)))
+
+
+# Calls whose output's size depends on the input's values (``torch.nonzero``, ``unique``, ``h[mask]``).
+_SIZED_BY_VALUES = frozenset({
+    "nonzero", "argwhere", "unique", "unique_consecutive", "bincount", "masked_select",
+})
+
+
+def _sized_by_values(func: Callable, args: tuple) -> bool:
+    name = _name(func)
+    if name in _SIZED_BY_VALUES or (name == "where" and len(args) == 1):
+        return True
+    if name == "__getitem__" and len(args) > 1:  # indexing with a boolean mask
+        index = args[1] if isinstance(args[1], (tuple, list)) else (args[1],)
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+    return False
 
 
 def _mutated(func: Callable, args: tuple, kwargs: dict) -> list[int]:
@@ -252,6 +272,10 @@ class ForwardMode(EqualForms):
         form = equal_valued_form(func, args, kwargs)
         if not torch.compiler.is_compiling():
             return _call_eagerly(func, args, kwargs, form)
+        if _sized_by_values(func, args):
+            # DTensor has no rule for an output sized by the values (Dynamo would stop with a sharding
+            # error while it captures): break the graph, so the call runs eagerly, as one device.
+            torch._dynamo.graph_break()
         return form(*args, **kwargs)
 
 

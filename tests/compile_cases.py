@@ -587,10 +587,31 @@ class _LossOutsideGraphs(nn.Module):
         return _loss_outside_graphs(self.name, self.fc(x) * 2.0, target, labels, self.fc.weight)
 
 
+class _SizedByValues(nn.Module):
+    """Compiled code with outputs sized by values (a boolean mask, ``torch.nonzero``, ``torch.unique``):
+    DTensor has no rule for them, and Dynamo stopped with a sharding error while it captured."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x, target, labels):
+        h = self.fc(x) * 2.0
+        if self.name == "sized_boolean_mask":
+            keep = labels >= 0
+            return F.mse_loss(h[keep], target[keep])
+        if self.name == "sized_nonzero":
+            index = torch.nonzero(labels >= 0).squeeze(1)
+            return F.mse_loss(h[index], target[index])
+        return h[:, torch.unique(labels.clamp(min=0))].square().mean()  # sized_unique
+
+
 def loss_outside_graphs_worker(rank: int, world: int, plan_name: str, name: str) -> dict:
     """:class:`_LossOutsideGraphs` (a global batch of 8, labels ignored unevenly over the ranks):
     loss, gradients and the warnings, beside one device's loss and gradients."""
-    compiled, model, reference = _parallelized_copy(lambda: _LossOutsideGraphs(name), plan_name, world, lower="eager")
+    build = _SizedByValues if name.startswith("sized_") else _LossOutsideGraphs
+    compiled, model, reference = _parallelized_copy(lambda: build(name), plan_name, world, lower="eager")
     g = torch.Generator().manual_seed(0)
     x, target, labels = torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g), torch.randint(0, 3, (8,), generator=g)
     labels[:3] = -100
