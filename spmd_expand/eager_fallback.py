@@ -39,9 +39,10 @@ Calls whose output's size depends on values (``torch.nonzero``, ``unique``, ``bi
 which DTensor has no rule for while Dynamo captures, break the graph (``torch._dynamo.graph_break()``
 from the mode): they then run this way, as one device.
 
-A random op (dropout) run this way draws on each rank from that rank's generator over the whole
-tensor: the ranks agree only if their generators do (the same seed), as one device's run would not
-be reproduced anyway.
+A random op (dropout) run this way draws the whole tensor on each rank from that rank's default
+generator: one device's draw, and the same on every rank, when the ranks' generators are in one state,
+which ``spmd_expand.rng`` requires of compiled random ops too. A call that draws (its generator state
+changed) checks that across the ranks, and raises ``DivergenceError`` where they differ (a seed per rank).
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .errors import UnsupportedOpError
 from .forms import EqualForms, equal_valued_form
+from .rank_check import check_ranks_agree
+from .rng import GENERATOR_FIX, generator_state
 
 __all__ = ["ForwardMode"]
 
@@ -161,7 +164,17 @@ def run_as_one_device(func: Callable, args: tuple, kwargs: dict, form: Optional[
     call = form if form is not None else func
     if isinstance(call, functools.partial):  # a form holding a tensor of the call (l1_loss's weight)
         call = functools.partial(call.func, *map(_full, call.args), **{k: _full(v) for k, v in call.keywords.items()})
+    before = generator_state(mesh.device_type)
     result = call(*local_args, **local_kwargs)
+    if generator_state(mesh.device_type) != before:
+        # It drew random numbers: each rank drew the whole tensor, which is one device's draw (and the
+        # same on every rank) only if the ranks' generators were in one state (as rng.py requires).
+        frame = _call_site()
+        where = "" if frame is None else f" at {frame.f_code.co_filename}:{frame.f_lineno}"
+        check_ranks_agree(
+            f"the random generator state before {_name(func) or func}{where}, outside Dynamo's graphs (it draws random numbers)",
+            [before], [""], mesh, fix=GENERATOR_FIX,
+        )
     for i in written:
         target: DTensor = leaves[i]
         full = DTensor.from_local(local[i], target.device_mesh, [Replicate()] * target.device_mesh.ndim, run_check=False)

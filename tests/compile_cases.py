@@ -571,6 +571,8 @@ def _loss_outside_graphs(name: str, h, target, labels, weight):
     if name == "gradient_penalty":  # torch.autograd.grad on the DTensors themselves
         (g,) = torch.autograd.grad(h.square().sum(), h, create_graph=True)
         return F.mse_loss(h, target) + 0.01 * g.square().mean()
+    if name in ("dropout", "dropout_rank_seeds"):  # each rank draws the whole mask, as one device
+        return F.mse_loss(F.dropout(h, 0.5), target)
     if name == "write_into_view_across_split":  # h[0] is a copy here (h is split on dim 0): refused
         h[0].zero_()
         return F.mse_loss(h, target)
@@ -618,8 +620,10 @@ def loss_outside_graphs_worker(rank: int, world: int, plan_name: str, name: str)
     shard = lambda t: t.chunk(world)[rank]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        torch.manual_seed(rank if name.endswith("rank_seeds") else 1)
         loss = compiled(shard(x), shard(target), shard(labels))
         loss.backward()
+    torch.manual_seed(1)
     ref_loss = reference(x, target, labels)
     ref_loss.backward()
     return {

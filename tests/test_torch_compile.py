@@ -62,10 +62,12 @@ LOSSES_OUTSIDE_GRAPHS = [
     "mse", "smooth_l1", "cross_entropy_ignore_index", "norm", "fill_diagonal", "l1_weighted",
     "write_through_view", "write_through_alias", "foreach_in_place", "gradient_penalty",
     "sized_boolean_mask", "sized_nonzero", "sized_unique",  # in compiled code: the mode breaks the graph there
+    "dropout",
 ]
-REFUSED_OUTSIDE_GRAPHS = {
-    "write_into_view_across_split": "writes in place into a tensor that has a view, or is one",
-    "shape_in_place": "changes the shape of a DTensor in place",
+REFUSED_OUTSIDE_GRAPHS = {  # name -> (error, what it says)
+    "write_into_view_across_split": ("UnsupportedOpError", "writes in place into a tensor that has a view, or is one"),
+    "shape_in_place": ("UnsupportedOpError", "changes the shape of a DTensor in place"),
+    "dropout_rank_seeds": ("DivergenceError", "seed every rank alike"),
 }
 WORKER_CALLS = [
     ("eager_gradient_worker",),
@@ -368,10 +370,12 @@ def test_eager_writes_the_fallback_cannot_keep_are_refused(workers, name):
     """Writes through an alias are kept where DTensor gives the view too (the cases above); a view
     across the split dim (``h[0]`` of row-split rows) is a gathered copy here, so a write into it
     would reach only one side: refused, as is a shape change in place DTensor has no rule for (a raw
-    sharding-propagation error before)."""
+    sharding-propagation error before), and a random draw from generators seeded per rank (each rank
+    drew its own "replicated" mask: replicas that differ, silently)."""
     for rank, res in enumerate(workers):
         error = res[("loss_outside_graphs_worker", "ddp", name)].get("error", "")
-        assert "UnsupportedOpError" in error and REFUSED_OUTSIDE_GRAPHS[name] in error and "fix:" in error, f"rank {rank}:\n{error}"
+        kind, says = REFUSED_OUTSIDE_GRAPHS[name]
+        assert kind in error and says in error and "fix" in error, f"rank {rank}:\n{error}"
 
 
 @pytest.mark.parametrize("plan", ["ddp", "fsdp"])
