@@ -139,6 +139,12 @@ def _call_site() -> Any:
     return frame
 
 
+def _call_site_text() -> str:
+    """``file:line`` of :func:`_call_site`'s frame, for messages."""
+    frame = _call_site()
+    return "an unknown line" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
 def run_as_one_device(func: Callable, args: tuple, kwargs: dict, form: Optional[Callable] = None) -> Any:
     """``func(*args, **kwargs)`` (or its equal-valued ``form``) on the DTensor arguments' full values.
 
@@ -169,8 +175,7 @@ def run_as_one_device(func: Callable, args: tuple, kwargs: dict, form: Optional[
     if generator_state(mesh.device_type) != before:
         # It drew random numbers: each rank drew the whole tensor, which is one device's draw (and the
         # same on every rank) only if the ranks' generators were in one state (as rng.py requires).
-        frame = _call_site()
-        where = "" if frame is None else f" at {frame.f_code.co_filename}:{frame.f_lineno}"
+        where = f" at {_call_site_text()}"
         check_ranks_agree(
             f"the random generator state before {_name(func) or func}{where}, outside Dynamo's graphs (it draws random numbers)",
             [before], [""], mesh, fix=GENERATOR_FIX,
@@ -248,8 +253,7 @@ def _refuse_stale_aliases(func: Callable, targets: list) -> None:
     _prune_stale_aliases()
     for base, view in _STALE_ALIASES:
         if any(t is base() or t is view() for t in targets):
-            frame = _call_site()
-            where = "an unknown line" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+            where = _call_site_text()
             raise UnsupportedOpError(
                 f"torch.compile(backend=\"spmd\"): {_name(func) or func} at {where} writes in place into a "
                 f"tensor that has a view, or is one, taken in code outside Dynamo's graphs across the dim the "
@@ -307,8 +311,7 @@ def _call_eagerly(func: Callable, args: tuple, kwargs: dict, form: Callable) -> 
         try:
             return form(*args, **kwargs)
         except NotImplementedError as e:  # DTensor has no rule: a DTensor's shape cannot change in place
-            frame = _call_site()
-            where = "an unknown line" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+            where = _call_site_text()
             raise UnsupportedOpError(
                 f"torch.compile(backend=\"spmd\"): {_name(func)} at {where} changes the shape of a DTensor in place "
                 f"in code outside Dynamo's graphs, which DTensor has no rule for ({e}).\n"
