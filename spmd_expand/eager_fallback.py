@@ -43,6 +43,8 @@ A random op (dropout) run this way draws the whole tensor on each rank from that
 generator: one device's draw, and the same on every rank, when the ranks' generators are in one state,
 which ``spmd_expand.rng`` requires of compiled random ops too. A call that draws (its generator state
 changed) checks that across the ranks, and raises ``DivergenceError`` where they differ (a seed per rank).
+So does a random call without DTensor arguments (``noise = torch.randn(8, 3)``, then ``h + noise``):
+each rank's tensor stands for the one tensor of one device, and is that only where the ranks drew alike.
 """
 
 from __future__ import annotations
@@ -56,7 +58,9 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.utils._pytree as pytree
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from .errors import UnsupportedOpError
 from .forms import EqualForms, equal_valued_form
@@ -110,6 +114,54 @@ def _sized_by_values(func: Callable, args: tuple) -> bool:
         index = args[1] if isinstance(args[1], (tuple, list)) else (args[1],)
         return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
     return False
+
+
+# Torch calls that draw from the default generator (factories, in-place samplers, random layers), by the
+# name a torch-function mode sees (``F.dropout`` is seen as ``dropout``, ``nn.init.normal_`` as ``normal_``).
+_DRAWS = frozenset({
+    "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "normal", "bernoulli",
+    "multinomial", "poisson", "binomial", "normal_", "uniform_", "random_", "exponential_", "geometric_",
+    "cauchy_", "log_normal_", "bernoulli_", "dropout", "dropout_", "dropout1d", "dropout2d", "dropout3d",
+    "alpha_dropout", "alpha_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_", "feature_dropout",
+    "feature_dropout_", "rrelu", "rrelu_", "gumbel_softmax", "fractional_max_pool2d", "fractional_max_pool3d",
+    "trunc_normal_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
+    "sparse_",
+})
+
+
+def _may_draw(func: Callable) -> bool:
+    """A call of the user's that may draw random numbers: named in :data:`_DRAWS`, not an ATen operator call
+    (a compiled graph's runner), and not under a dispatch mode (the lowering's fake tensors have no draws)."""
+    return (
+        not isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+        and _name(func) in _DRAWS
+        and not is_in_torch_dispatch_mode()
+    )
+
+
+def _generator_states(device_type: str) -> tuple[str, ...]:
+    """The default generators a call in the forward can draw from: the mesh's device's, and the CPU's."""
+    return tuple(generator_state(d) for d in dict.fromkeys((device_type, "cpu")))
+
+
+def _drawn_alike(mesh: DeviceMesh, func: Callable, call: Callable[[], Any]) -> Any:
+    """``call()``; where it drew random numbers (a default generator's state changed), check first that
+    the ranks of ``mesh`` drew from one state: each rank then holds one device's draw, the same on all.
+    Costs two reads of the generator states (about 3 us each on CPU), and a store round trip if it drew.
+
+    Raises:
+        DivergenceError: on every rank, where the ranks' generators were in different states (a seed
+            per rank, draws made on some ranks only), naming the call's line and each rank's state.
+    """
+    before = _generator_states(mesh.device_type)
+    result = call()
+    if _generator_states(mesh.device_type) != before:
+        check_ranks_agree(
+            f"the random generator state before {_name(func) or func} at {_call_site_text()}, outside Dynamo's "
+            f"graphs (it draws random numbers)",
+            list(before), [""] * len(before), mesh, fix=GENERATOR_FIX,
+        )
+    return result
 
 
 def _mutated(func: Callable, args: tuple, kwargs: dict) -> list[int]:
@@ -170,16 +222,8 @@ def run_as_one_device(func: Callable, args: tuple, kwargs: dict, form: Optional[
     call = form if form is not None else func
     if isinstance(call, functools.partial):  # a form holding a tensor of the call (l1_loss's weight)
         call = functools.partial(call.func, *map(_full, call.args), **{k: _full(v) for k, v in call.keywords.items()})
-    before = generator_state(mesh.device_type)
-    result = call(*local_args, **local_kwargs)
-    if generator_state(mesh.device_type) != before:
-        # It drew random numbers: each rank drew the whole tensor, which is one device's draw (and the
-        # same on every rank) only if the ranks' generators were in one state (as rng.py requires).
-        where = f" at {_call_site_text()}"
-        check_ranks_agree(
-            f"the random generator state before {_name(func) or func}{where}, outside Dynamo's graphs (it draws random numbers)",
-            [before], [""], mesh, fix=GENERATOR_FIX,
-        )
+    # Each rank draws the whole tensor of a random call: one device's draw if the ranks drew alike.
+    result = _drawn_alike(mesh, func, lambda: call(*local_args, **local_kwargs))
     for i in written:
         target: DTensor = leaves[i]
         full = DTensor.from_local(local[i], target.device_mesh, [Replicate()] * target.device_mesh.ndim, run_check=False)
@@ -282,13 +326,19 @@ def _warn(func: Callable, frame: Any) -> None:
 class ForwardMode(EqualForms):
     """The torch-function mode of a parallelized model's forward under ``torch.compile(backend="spmd")``:
     :class:`~spmd_expand.forms.EqualForms` while Dynamo traces, and outside its tracing a torch call on
-    DTensors run as one device would (:func:`run_as_one_device`), warning at the user's line."""
+    DTensors run as one device would (:func:`run_as_one_device`), warning at the user's line, and a
+    random call without DTensor arguments checked to draw alike on the ranks of ``mesh``
+    (:func:`_drawn_alike`)."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.mesh = mesh
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         form = equal_valued_form(func, args, kwargs)
         if not torch.compiler.is_compiling():
-            return _call_eagerly(func, args, kwargs, form)
+            return _call_eagerly(func, args, kwargs, form, self.mesh)
         if _sized_by_values(func, args):
             # DTensor has no rule for an output sized by the values (Dynamo would stop with a sharding
             # error while it captures): break the graph, so the call runs eagerly, as one device.
@@ -304,8 +354,10 @@ torch._dynamo.eval_frame.skip_code(ForwardMode.__torch_function__.__code__)
 
 
 @torch._dynamo.disable
-def _call_eagerly(func: Callable, args: tuple, kwargs: dict, form: Callable) -> Any:
+def _call_eagerly(func: Callable, args: tuple, kwargs: dict, form: Callable, mesh: DeviceMesh) -> Any:
     if not _is_eager_dtensor_call(func, args, kwargs):
+        if _may_draw(func):  # a plain tensor drawn here stands for one device's: the ranks must draw alike
+            return _drawn_alike(mesh, func, lambda: form(*args, **kwargs))
         return form(*args, **kwargs)
     if _name(func) in _SHAPE_IN_PLACE:
         try:

@@ -573,6 +573,8 @@ def _loss_outside_graphs(name: str, h, target, labels, weight):
         return F.mse_loss(h, target) + 0.01 * g.square().mean()
     if name in ("dropout", "dropout_rank_seeds"):  # each rank draws the whole mask, as one device
         return F.mse_loss(F.dropout(h, 0.5), target)
+    if name in ("plain_noise", "plain_noise_rank_seeds"):  # a plain tensor drawn here: the ranks must draw alike
+        return F.mse_loss(h + torch.randn(3), target)
     if name == "write_into_view_across_split":  # h[0] is a copy here (h is split on dim 0): refused
         h[0].zero_()
         return F.mse_loss(h, target)
@@ -607,6 +609,47 @@ class _SizedByValues(nn.Module):
             index = torch.nonzero(labels >= 0).squeeze(1)
             return F.mse_loss(h[index], target[index])
         return h[:, torch.unique(labels.clamp(min=0))].square().mean()  # sized_unique
+
+
+class _CompiledDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.b(F.dropout(self.a(x), 0.5))
+
+
+def compiled_dropout_worker(rank: int, world: int, plan_name: str, draw_on_rank0: bool) -> dict:
+    """Three calls of a model whose compiled graph draws (dropout), the ranks seeded alike before each, and
+    with ``draw_on_rank0`` one more number drawn on rank 0 only before the third: per call, the loss and
+    gradients beside one device's over the global batch (seeded alike), or the error."""
+    compiled, model, reference = _parallelized_copy(_CompiledDropout, plan_name, world, lower="eager")
+    g = torch.Generator().manual_seed(0)
+    calls = []
+    for call in range(3):
+        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
+        torch.manual_seed(10 + call)
+        if draw_on_rank0 and call == 2 and rank == 0:
+            torch.rand(1)  # a rank's own draw between calls (a sample for logging)
+        model.zero_grad()
+        try:
+            loss = F.mse_loss(compiled(x.chunk(world)[rank]), y.chunk(world)[rank])
+            loss.backward()
+        except Exception:
+            calls.append({"error": traceback.format_exc()})
+            break
+        torch.manual_seed(10 + call)
+        reference.zero_grad()
+        ref_loss = F.mse_loss(reference(x), y)
+        ref_loss.backward()
+        global_loss = loss.detach().clone()
+        torch.distributed.all_reduce(global_loss)
+        calls.append({
+            "loss": global_loss / world, "ref_loss": ref_loss.detach(),
+            "grads": [p.grad.full_tensor() for p in model.parameters()], "ref_grads": [p.grad for p in reference.parameters()],
+        })
+    return {"calls": calls}
 
 
 def loss_outside_graphs_worker(rank: int, world: int, plan_name: str, name: str) -> dict:

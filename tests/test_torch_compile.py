@@ -62,12 +62,13 @@ LOSSES_OUTSIDE_GRAPHS = [
     "mse", "smooth_l1", "cross_entropy_ignore_index", "norm", "fill_diagonal", "l1_weighted",
     "write_through_view", "write_through_alias", "foreach_in_place", "gradient_penalty",
     "sized_boolean_mask", "sized_nonzero", "sized_unique",  # in compiled code: the mode breaks the graph there
-    "dropout",
+    "dropout", "plain_noise",
 ]
 REFUSED_OUTSIDE_GRAPHS = {  # name -> (error, what it says)
     "write_into_view_across_split": ("UnsupportedOpError", "writes in place into a tensor that has a view, or is one"),
     "shape_in_place": ("UnsupportedOpError", "changes the shape of a DTensor in place"),
     "dropout_rank_seeds": ("DivergenceError", "seed every rank alike"),
+    "plain_noise_rank_seeds": ("DivergenceError", "seed every rank alike"),
 }
 WORKER_CALLS = [
     ("eager_gradient_worker",),
@@ -78,6 +79,8 @@ WORKER_CALLS = [
     ("centered_rows_worker", "fsdp"),
     *(("sequence_first_output_worker", plan, loss) for plan in ("ddp", "fsdp") for loss in ("nll", "ctc")),
     ("alternating_heads_worker", "ddp"),
+    ("compiled_dropout_worker", "ddp", False),
+    ("compiled_dropout_worker", "ddp", True),
     ("alternating_heads_worker", "fsdp"),
     *(("loss_outside_graphs_worker", "ddp", name) for name in LOSSES_OUTSIDE_GRAPHS),
     ("loss_outside_graphs_worker", "fsdp", "mse"),
@@ -376,6 +379,28 @@ def test_eager_writes_the_fallback_cannot_keep_are_refused(workers, name):
         error = res[("loss_outside_graphs_worker", "ddp", name)].get("error", "")
         kind, says = REFUSED_OUTSIDE_GRAPHS[name]
         assert kind in error and says in error and "fix" in error, f"rank {rank}:\n{error}"
+
+
+def test_a_compiled_graph_that_draws_checks_the_generators_on_every_call(workers):
+    """A compiled graph that draws (dropout) keeps each rank's slice of one draw from the rank's own
+    generator. Compiling it checked that the generators agree; later calls did not, so a draw on rank 0
+    alone between calls gave each rank's rows another mask than one device's, silently (a loss of
+    1.3307 against one device's 1.3731; a replicated draw would differ across the replicas). Now
+    every call checks: with the ranks seeded alike, three calls equal one device's; after rank 0's own
+    draw, the third call raises on both ranks before the graph runs."""
+    for res in workers:
+        calls = res[("compiled_dropout_worker", "ddp", False)]["calls"]
+        assert len(calls) == 3 and "error" not in calls[-1], calls[-1].get("error")
+        for c in calls:
+            torch.testing.assert_close(c["loss"], c["ref_loss"], rtol=1e-5, atol=1e-6)
+            for got, ref in zip(c["grads"], c["ref_grads"]):
+                torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    for rank, res in enumerate(workers):
+        calls = res[("compiled_dropout_worker", "ddp", True)]["calls"]
+        assert len(calls) == 3 and all("error" not in c for c in calls[:2]), calls
+        error = calls[2].get("error", "")
+        assert "DivergenceError" in error and "random generator state at a call of" in error, f"rank {rank}:\n{error}"
+        assert "seed every rank alike" in error
 
 
 @pytest.mark.parametrize("plan", ["ddp", "fsdp"])
