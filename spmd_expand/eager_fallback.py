@@ -234,6 +234,7 @@ def run_as_one_device(func: Callable, args: tuple, kwargs: dict, form: Optional[
     if not written and any(_same_storage(v, full) for v in outputs for full in inputs.values()):
         views = _dtensor_views(func, args, kwargs, result)
         if views is not None:
+            _track_views_of_stale_aliases([leaves[i] for i in inputs], views)
             return views
         bases = [leaves[i] for i in inputs]
     else:
@@ -288,6 +289,16 @@ _STALE_ALIASES: list[tuple[weakref.ref, weakref.ref]] = []
 
 def _prune_stale_aliases() -> None:
     _STALE_ALIASES[:] = [(b, v) for b, v in _STALE_ALIASES if b() is not None and v() is not None]
+
+
+def _track_views_of_stale_aliases(arguments: list, views: Any) -> None:
+    """A view (``v[1:]``) of a tensor that is itself a gathered copy standing for a view (``v = h[0]``,
+    ``h`` row-split) is a view of ``h`` on one device too: pair it with ``h``, so writes through it are
+    refused as writes through ``v`` are."""
+    _prune_stale_aliases()
+    bases = [b for b, v in _STALE_ALIASES if any(v() is a for a in arguments)]
+    new = [view for view in pytree.tree_leaves(views) if isinstance(view, DTensor)]
+    _STALE_ALIASES.extend((base, weakref.ref(view)) for base in bases for view in new)
 
 
 def _refuse_stale_aliases(func: Callable, targets: list) -> None:

@@ -578,6 +578,10 @@ def _loss_outside_graphs(name: str, h, target, labels, weight):
     if name == "write_into_view_across_split":  # h[0] is a copy here (h is split on dim 0): refused
         h[0].zero_()
         return F.mse_loss(h, target)
+    if name == "write_into_view_of_view_across_split":  # v[1:] views the copy h[0]: refused too
+        v = h[0]
+        v[1:].zero_()
+        return F.mse_loss(h, target)
     raise ValueError(name)
 
 

@@ -66,6 +66,7 @@ LOSSES_OUTSIDE_GRAPHS = [
 ]
 REFUSED_OUTSIDE_GRAPHS = {  # name -> (error, what it says)
     "write_into_view_across_split": ("UnsupportedOpError", "writes in place into a tensor that has a view, or is one"),
+    "write_into_view_of_view_across_split": ("UnsupportedOpError", "writes in place into a tensor that has a view, or is one"),
     "shape_in_place": ("UnsupportedOpError", "changes the shape of a DTensor in place"),
     "dropout_rank_seeds": ("DivergenceError", "seed every rank alike"),
     "plain_noise_rank_seeds": ("DivergenceError", "seed every rank alike"),
