@@ -245,10 +245,8 @@ def run_as_one_device(func: Callable, args: tuple, kwargs: dict, form: Optional[
             return itself[id(value)]
         if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
             out = DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
-            if bases and len(_STALE_ALIASES) > 1024:
-                _prune_stale_aliases()
-            for base in bases:  # a view on one device, a copy here: writes to either must not happen
-                _STALE_ALIASES.append((weakref.ref(base), weakref.ref(out)))
+            # A view on one device, a copy here: writes to either must not happen.
+            _add_stale_aliases([(weakref.ref(base), weakref.ref(out)) for base in bases])
             return out
         return value
 
@@ -291,14 +289,20 @@ def _prune_stale_aliases() -> None:
     _STALE_ALIASES[:] = [(b, v) for b, v in _STALE_ALIASES if b() is not None and v() is not None]
 
 
+def _add_stale_aliases(pairs: list[tuple[weakref.ref, weakref.ref]]) -> None:
+    """Record ``pairs``; the freed ones go when the list has grown past 1,024 (not on every view op)."""
+    if pairs and len(_STALE_ALIASES) > 1024:
+        _prune_stale_aliases()
+    _STALE_ALIASES.extend(pairs)
+
+
 def _track_views_of_stale_aliases(arguments: list, views: Any) -> None:
     """A view (``v[1:]``) of a tensor that is itself a gathered copy standing for a view (``v = h[0]``,
     ``h`` row-split) is a view of ``h`` on one device too: pair it with ``h``, so writes through it are
     refused as writes through ``v`` are."""
-    _prune_stale_aliases()
-    bases = [b for b, v in _STALE_ALIASES if any(v() is a for a in arguments)]
+    bases = [b for b, v in _STALE_ALIASES if any(v() is a for a in arguments)]  # (a freed view matches nothing)
     new = [view for view in pytree.tree_leaves(views) if isinstance(view, DTensor)]
-    _STALE_ALIASES.extend((base, weakref.ref(view)) for base in bases for view in new)
+    _add_stale_aliases([(base, weakref.ref(view)) for base in bases for view in new])
 
 
 def _refuse_stale_aliases(func: Callable, targets: list) -> None:
