@@ -58,6 +58,7 @@ from .state import REPLACED_PARAMETERS, broadcast_materialized_state, distribute
 from .boundaries import encode_placement, mark_boundaries, mark_sequence_first
 from .errors import BatchError, PlanError, SpmdError, user_source_line
 from .expand import RedistributeCache
+from .graph_stats import COLLECTIVES
 from .eager_fallback import ForwardMode
 from .guards import not_dense_problem
 from .lower import LOWERINGS, lower as lower_graph
@@ -67,11 +68,22 @@ from .plans import Plan, ResolvedPlan, TensorParallel, _DataParallel, resolve_pl
 from .spec import replicate
 from .python_values import PythonGuards
 from .rank_check import check_ranks_agree
-from .rng import GENERATOR_FIX, draws_random, generator_state
+from .rng import GENERATOR_FIX, generator_state
 from .trace import InputRole, TensorSpec, TracedStep
 from .watch import as_timedelta, set_group_timeouts
 
 __all__ = ["parallelize", "spmd_backend", "BackendStats", "stats"]
+
+
+CALL_FIX = (
+    "every rank must run the same compiled graph at each call; under torch.compile each rank's Dynamo "
+    "guards decide alone whether a call reuses a graph or compiles a new one, so a rank that compiles "
+    "where the others run a graph compiled before (or runs another one) was handed a batch of another "
+    "shape (a short last batch: DataLoader(drop_last=True) or a DistributedSampler, which gives every "
+    "rank the same count; padding to each rank's longest sequence: pad every rank to one length), or "
+    "has a module in another train()/eval() mode, or reads a Python value that depends on the rank"
+)
+"""What to do when ranks run different compiled graphs at one call (:meth:`_Runtime.check_call`)."""
 
 
 # ---------------------------------------------------------------------------------------------- parallelize
@@ -894,13 +906,27 @@ class _Runtime:
         self.what = compiler.what  # for log lines
         self.name = compiler.name  # for the generator check
         self.timeout = compiler.info.timeout
-        # Each rank keeps its slice of one draw from its own default generator (rng.py), so a graph that
-        # draws random numbers needs the ranks' generators in one state at every call. Compiling it checked
-        # that (expand_step); later calls check again, as spmd.compile's do, since code between calls can
-        # draw on some ranks only (`if rank == 0: torch.rand(...)`). None: not drawing.
-        self._generator_checks: Optional[int] = (
-            0 if any(draws_random(n) for n in artifacts.step.traced.graph_module.graph.nodes) else None
+        # Dynamo's guards run on each rank alone: a rank whose guards fail (a batch of another shape
+        # there only, another train()/eval() mode) compiles a new graph while the others run the one
+        # compiled before, and the others' collectives would wait for it until the process group's
+        # timeout. Each call after the first (its compilation checked every rank's graph) checks across
+        # ranks which graph runs, on which batch shapes, and for a graph that draws random numbers, the
+        # generator state (each rank keeps its slice of one draw from its own default generator, rng.py;
+        # code between calls can draw on some ranks only: `if rank == 0: torch.rand(...)`). The check
+        # shares rank_check's serials with compilation's checks, so a rank at a call meets a rank that
+        # compiles at once, as a DivergenceError on both. A graph with no collective and no draw needs
+        # none: a rank that compiled it meets the others at their next check.
+        step = artifacts.step
+        graphs = [artifacts.forward] + ([artifacts.backward] if artifacts.backward is not None else [])
+        self._checks_calls = step.draws_random or any(
+            n.op == "call_function" and n.target in COLLECTIVES for gm in graphs for n in gm.graph.nodes
         )
+        self._draws = step.draws_random
+        self._call_entries = [f"compiled graph {step.graph_digest:08x}"] + [
+            f"batch input {k}: {str(s.global_spec.dtype).removeprefix('torch.')}{list(s.global_spec.shape)} {tuple(s.placements)}"
+            for k, s in enumerate(s for s in slots if s.kind == "input")
+        ]
+        self._calls = 0
         self.ran_passes = frozenset(r.name for r in artifacts.step.passes)
         # Dynamo guards the Python this graph came from; the trace's own guards (spmd.compile's, which
         # hold the model's modules) are not read here, and kept they would keep the model alive as long
@@ -979,25 +1005,28 @@ class _Runtime:
                 stats.backwards_compiled += 1
         return list(self._backward(*inputs))
 
-    def check_generators(self) -> None:
-        """Before a call of a graph that draws random numbers (not the first: its compilation checked):
-        the ranks' default generators must agree. One store round trip (about 0.4 ms on 2 CPU ranks).
+    def check_call(self) -> None:
+        """Before a call of this graph (not the first: its compilation checked): every rank of the mesh
+        runs this graph, on the same global batch shapes, and where it draws random numbers, from the
+        same generator state. One store round trip (about 0.4 ms on 2 CPU ranks).
 
         Raises:
-            DivergenceError: on every rank, before the graph runs, where the states differ (a seed per
-                rank, a draw on some ranks only between calls), naming each rank's state.
+            DivergenceError: on every rank, before the graph runs, where a rank compiles another graph
+                (its Dynamo guards failed alone: a batch of another shape, another train()/eval() mode),
+                runs another graph, or draws from another generator state (a seed per rank, a draw on
+                some ranks only between calls), naming what differs on each side.
         """
-        self._generator_checks += 1
-        if self._generator_checks > 1:
-            check_ranks_agree(
-                f"the random generator state at a call of {self.name} (it draws random numbers)",
-                [generator_state(self.mesh.device_type)], [""], self.mesh,
-                self.timeout, fix=GENERATOR_FIX,
-            )
+        entries = self._call_entries + ([f"random generator state: {generator_state(self.mesh.device_type)}"] if self._draws else [])
+        generator_line = len(self._call_entries)
+        check_ranks_agree(
+            f"a call of {self.name}", entries, [""] * len(entries), self.mesh, self.timeout,
+            fix=lambda index: GENERATOR_FIX if index == generator_line else CALL_FIX,
+        )
 
     def __call__(self, *args: Any) -> tuple:
-        if self._generator_checks is not None:
-            self.check_generators()
+        self._calls += 1
+        if self._checks_calls and self._calls > 1:
+            self.check_call()
         tensors = [args[i] for i in self.tensor_positions]
         if self.joint:
             # DTensors go in as they are: one autograd node for the graph, not one to_local per parameter.

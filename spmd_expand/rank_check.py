@@ -244,7 +244,14 @@ def _report(what: str, ranks, differing, first: int, other: int, a, b, fix: Fix 
         f"    rank {first}: {side(entries_a, sources_a)}\n"
         f"    rank {other}: {side(entries_b, sources_b)}\n"
         f"  fix: {fix or _USER_FIX}. "
-        f"Where the first difference is the check itself, the ranks are at different points: one of them "
-        f"failed earlier (see its own error) or compiled more graphs. To see every difference, dump both "
-        f"ranks' graphs (spmd-expand dump) and spmd-expand diff them"
+        + (_AT_ANOTHER_CHECK if index == 0 else "")
+        + "To see every difference, dump both ranks' graphs (spmd-expand dump) and spmd-expand diff them"
     )
+
+
+# The first difference is the check's own name: the ranks are at different checks.
+_AT_ANOTHER_CHECK = (
+    "The first difference is the check itself: the ranks are at different points, because one of them failed "
+    "earlier (see its own error) or compiled more graphs (under torch.compile: a rank whose Dynamo guards "
+    "failed alone, e.g. on a batch of another shape there, compiles where the others run their graph). "
+)

@@ -302,9 +302,10 @@ def eager_gradient_worker(rank: int, world: int) -> dict:
     }
 
 
-def _parallelized_copy(build: Callable[[], nn.Module], plan_name: str, world: int, **options):
+def _parallelized_copy(build: Callable[[], nn.Module], plan_name: str, world: int, timeout=None, **options):
     """``(compiled, model, reference)``: ``build()`` seeded, an untouched copy for one device, and the
-    model parallelized under DDP or FSDP on a ``(world,)`` CPU mesh, compiled by the spmd backend."""
+    model parallelized under DDP or FSDP on a ``(world,)`` CPU mesh (``timeout``: parallelize's),
+    compiled by the spmd backend."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
@@ -312,7 +313,7 @@ def _parallelized_copy(build: Callable[[], nn.Module], plan_name: str, world: in
     torch.manual_seed(0)
     model = build()
     reference = copy.deepcopy(model)
-    spmd.parallelize(model, mesh, plan)
+    spmd.parallelize(model, mesh, plan, timeout=timeout)
     compiled = torch.compile(model, backend="spmd", options={"mesh": mesh, "plan": plan, **options})
     return compiled, model, reference
 
@@ -653,6 +654,25 @@ def compiled_dropout_worker(rank: int, world: int, plan_name: str, draw_on_rank0
             "loss": global_loss / world, "ref_loss": ref_loss.detach(),
             "grads": [p.grad.full_tensor() for p in model.parameters()], "ref_grads": [p.grad for p in reference.parameters()],
         })
+    return {"calls": calls}
+
+
+def short_batch_on_one_rank_worker(rank: int, world: int, plan_name: str) -> dict:
+    """Three calls with 4 rows per rank, except that at the third rank 0 alone gets 3 (a short last
+    batch on one rank): per call, the error text, if any. Dynamo compiles a new graph on rank 0 only
+    there, while rank 1's guards pass and it runs the graph it has."""
+    build = lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    compiled, model, _ = _parallelized_copy(build, plan_name, world, timeout=120, lower="eager")
+    g = torch.Generator().manual_seed(0)
+    calls = []
+    for call in range(3):
+        x = torch.randn(3 if call == 2 and rank == 0 else 4, 4, generator=g)
+        try:
+            compiled(x).square().mean().backward()
+            calls.append({})
+        except Exception:
+            calls.append({"error": traceback.format_exc()})
+            break
     return {"calls": calls}
 
 

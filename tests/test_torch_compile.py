@@ -82,6 +82,7 @@ WORKER_CALLS = [
     ("alternating_heads_worker", "ddp"),
     ("compiled_dropout_worker", "ddp", False),
     ("compiled_dropout_worker", "ddp", True),
+    ("short_batch_on_one_rank_worker", "ddp"),
     ("alternating_heads_worker", "fsdp"),
     *(("loss_outside_graphs_worker", "ddp", name) for name in LOSSES_OUTSIDE_GRAPHS),
     ("loss_outside_graphs_worker", "fsdp", "mse"),
@@ -400,8 +401,25 @@ def test_a_compiled_graph_that_draws_checks_the_generators_on_every_call(workers
         calls = res[("compiled_dropout_worker", "ddp", True)]["calls"]
         assert len(calls) == 3 and all("error" not in c for c in calls[:2]), calls
         error = calls[2].get("error", "")
-        assert "DivergenceError" in error and "random generator state at a call of" in error, f"rank {rank}:\n{error}"
+        assert "DivergenceError" in error and "in a call of" in error and "random generator state:" in error, f"rank {rank}:\n{error}"
         assert "seed every rank alike" in error
+
+
+def test_a_short_batch_on_one_rank_after_the_first_call_raises_on_every_rank(workers):
+    """A short batch on rank 0 alone at the third call: Dynamo's guards fail there only, so rank 0
+    compiled a new graph while rank 1 ran the one it had, into its first all-reduce, and both waited
+    until the timeouts (rank 1 in gloo, rank 0 in compilation's cross-rank check; still waiting after
+    300 s). Every call of a graph with collectives now checks across ranks which graph it runs: both
+    ranks raise at once, before any collective, naming the fix."""
+    for rank, res in enumerate(workers):
+        calls = res[("short_batch_on_one_rank_worker", "ddp")]["calls"]
+        assert len(calls) == 3 and all("error" not in c for c in calls[:2]), calls
+        error = calls[2].get("error", "")
+        assert "DivergenceError" in error and "did not reach it" not in error, f"rank {rank}:\n{error}"
+        if rank == 0:  # it compiles: its check of the new global graph met rank 1's check of a call
+            assert "check of the global graph of the step" in error and "check of a call of" in error, error
+        else:
+            assert "in a call of a Sequential graph of torch.compile" in error and "a batch of another shape" in error, error
 
 
 @pytest.mark.parametrize("plan", ["ddp", "fsdp"])
