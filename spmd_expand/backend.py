@@ -904,7 +904,7 @@ class _Runtime:
         self.mesh = compiler.mesh
         self.lower = compiler.lower
         self.what = compiler.what  # for log lines
-        self.name = compiler.name  # for the generator check
+        self.name = compiler.name  # for the per-call check across ranks (check_call)
         self.timeout = compiler.info.timeout
         # Dynamo's guards run on each rank alone: a rank whose guards fail (a batch of another shape
         # there only, another train()/eval() mode) compiles a new graph while the others run the one
