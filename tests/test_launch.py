@@ -1,7 +1,8 @@
 """Tests for spmd_expand.app.launch: real gloo process groups on 2 local CPU ranks.
 
-The rank functions live at module level here: spawned ranks unpickle them by qualified name,
-importing this module through the ``sys.path`` they inherit from the pytest process.
+The rank functions live at module level here: ranks unpickle them by qualified name, importing
+this module through the ``sys.path`` they take from the pytest process. The suite starts ranks from a
+fork server (conftest.py); the tests that name a start method run under both.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from spmd_expand.app import launch
 from spmd_expand.app.launch import RankFailedError, is_distributed_launch, run_local
 
 WORLD = 2
+START_METHODS = ["spawn", "forkserver"]
 
 
 def all_reduce_rank(rank: int, world_size: int, scale: float) -> tuple[int, torch.Tensor]:
@@ -57,8 +59,17 @@ def rank_one_never_arrives(rank: int, world_size: int) -> None:
     dist.barrier()  # rank 0 waits here for a peer that is elsewhere: a hang
 
 
-def test_all_reduce_sums_on_every_rank() -> None:
-    results = run_local(all_reduce_rank, WORLD, 2.0, timeout_s=60)
+def where_and_config(rank: int, world_size: int) -> tuple:
+    import torch._inductor.config as inductor_config
+
+    import launch_probe  # a module only the caller's current sys.path finds
+
+    return os.getcwd(), os.environ.get("SPMD_TEST_PROBE"), launch_probe.VALUE, inductor_config.fx_graph_cache
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_all_reduce_sums_on_every_rank(method: str) -> None:
+    results = run_local(all_reduce_rank, WORLD, 2.0, timeout_s=60, start_method=method)
     expected = torch.full((3,), 2.0 * sum(range(1, WORLD + 1)))
     assert len(results) == WORLD
     for size, tensor in results:
@@ -66,10 +77,11 @@ def test_all_reduce_sums_on_every_rank() -> None:
         torch.testing.assert_close(tensor, expected)
 
 
-def test_raising_rank_is_reported_before_the_timeout() -> None:
+@pytest.mark.parametrize("method", START_METHODS)
+def test_raising_rank_is_reported_before_the_timeout(method: str) -> None:
     # A RankFailedError (not the TimeoutError of timeout_s) shows the failure was noticed first.
     with pytest.raises(RankFailedError) as info:
-        run_local(raise_on_rank_one, WORLD, timeout_s=60)
+        run_local(raise_on_rank_one, WORLD, timeout_s=60, start_method=method)
     assert info.value.rank == 1
     message = str(info.value)
     assert "rank 1" in message
@@ -84,13 +96,53 @@ def test_rank_exiting_without_report_is_detected() -> None:
     assert "exited with code 3" in str(info.value)
 
 
-def test_killed_rank_is_named_not_the_peer_it_broke() -> None:
+@pytest.mark.parametrize("method", START_METHODS)
+def test_killed_rank_is_named_not_the_peer_it_broke(method: str) -> None:
     start = time.monotonic()
     with pytest.raises(RankFailedError) as info:
-        run_local(killed_mid_collective, WORLD, timeout_s=120)
+        run_local(killed_mid_collective, WORLD, timeout_s=120, start_method=method)
     assert info.value.rank == 1, str(info.value)
     assert "was killed by SIGKILL" in str(info.value)
     assert time.monotonic() - start < 60  # noticed, not the timeout
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_ranks_take_the_callers_directory_path_and_environment(method, tmp_path, monkeypatch) -> None:
+    """A rank runs where the caller is at the call: a fork server started before the caller changed
+    directory, sys.path and environment still gives its ranks the new ones."""
+    run_local(all_reduce_rank, WORLD, 1.0, timeout_s=60, start_method=method)  # the server, if any, is up
+    (tmp_path / "launch_probe.py").write_text("VALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SPMD_TEST_PROBE", "set after the server started")
+    results = run_local(where_and_config, WORLD, timeout_s=60, start_method=method)
+    assert results == [(str(tmp_path), "set after the server started", 7, True)] * WORLD
+
+
+@pytest.mark.skipif("forkserver" not in torch.multiprocessing.get_all_start_methods(), reason="no fork server here")
+def test_a_changed_import_time_variable_is_not_served_stale(monkeypatch) -> None:
+    """Inductor reads TORCHINDUCTOR_FX_GRAPH_CACHE when it is imported, which a fork server did once:
+    a run with another value than the server's is spawned, and its ranks see the new value."""
+    run_local(all_reduce_rank, WORLD, 1.0, timeout_s=60, start_method="forkserver")
+    assert launch._context("forkserver").get_start_method() == "forkserver"
+    monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
+    assert launch._context("forkserver").get_start_method() == "spawn"
+    (config,) = {r[3] for r in run_local(_inductor_graph_cache, WORLD, timeout_s=60, start_method="forkserver")}
+    assert config is False
+
+
+def _inductor_graph_cache(rank: int, world_size: int) -> tuple:
+    import torch._inductor.config as inductor_config
+
+    return (None, None, None, inductor_config.fx_graph_cache)
+
+
+def test_an_unknown_start_method_is_named(monkeypatch) -> None:
+    with pytest.raises(ValueError, match="start_method must be one of spawn, forkserver, got 'fork'"):
+        run_local(all_reduce_rank, WORLD, 1.0, start_method="fork")
+    monkeypatch.setenv(launch.START_METHOD_ENV, "threads")
+    with pytest.raises(ValueError, match=r"\$SPMD_START_METHOD must be one of spawn, forkserver, got 'threads'"):
+        run_local(all_reduce_rank, WORLD, 1.0)
 
 
 def test_timeout_kills_ranks_and_names_them() -> None:
