@@ -17,11 +17,8 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/spmd-expand train
 
-# Two test processes (pytest-xdist), each test file whole in one of them so that its module fixtures
-# start their ranks once: the in-process tests use one core, and a multi-rank test leaves one idle
-# while a rank waits for another.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 tests
+	$(PY) -m pytest -q --durations=20 tests
 
 bench: $(STAMP)
 	$(PY) bench/expand_speed.py > bench/results/expand_speed.json
