@@ -101,7 +101,7 @@ def run_local(
     - "forkserver" (not on Windows, which falls back to "spawn"): ranks are forked from one server
       process per calling process, started at the first such run with ``spmd_expand`` (and torch)
       imported, so a run starts in milliseconds (Python's :mod:`multiprocessing.forkserver`; the test
-      suite uses it). Variables that torch, OpenMP, MKL and Inductor's config read at import
+      suite uses it). The ranks run the code of those modules as the server imported it. Variables that torch, OpenMP, MKL and Inductor's config read at import
       (names starting with ``TORCH``, ``PYTORCH``, ``OMP_``, ``MKL_``, ``KMP_``) hold the server's
       values in a forked rank, so a run whose values of them differ from those the server started
       with is spawned instead.
