@@ -18,9 +18,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from spmd_expand.app.launch import START_METHOD_ENV
+
 FAKE_WORLD_SIZE = 4
 
-os.environ.setdefault("SPMD_START_METHOD", "forkserver")  # read by spmd_expand.app.launch.run_local
+os.environ.setdefault(START_METHOD_ENV, "forkserver")  # read by spmd_expand.app.launch.run_local
 
 
 @pytest.fixture(scope="session")

@@ -82,9 +82,10 @@ def run_local(
     Each rank is a new process of the ``torch.multiprocessing`` context ``start_method``, running
     in this process's working directory with its ``sys.path`` and environment as they are at the
     call. It limits itself to ``$SPMD_THREADS_PER_RANK`` intra-op threads (default 1), joins a
-    process group of ``backend`` (on Linux gloo is pointed at the ``lo`` interface unless ``GLOO_SOCKET_IFNAME`` is
-    already set), calls ``fn``, reports the result, waits at a barrier, destroys the group and leaves
-    with ``os._exit``, skipping the interpreter shutdown in which gloo is known to abort.
+    process group of ``backend`` (on Linux gloo is pointed at the ``lo`` interface unless
+    ``GLOO_SOCKET_IFNAME`` is already set), calls ``fn``, reports the result, waits at a barrier,
+    destroys the group and leaves with ``os._exit``, skipping the interpreter shutdown in which gloo
+    is known to abort.
 
     The rendezvous is a ``TCPStore`` served by this process on 127.0.0.1, listening on a port the
     system picks before any rank starts. (A port picked free and handed to rank 0 to listen on could
@@ -101,10 +102,11 @@ def run_local(
     - "forkserver" (not on Windows, which falls back to "spawn"): ranks are forked from one server
       process per calling process, started at the first such run with ``spmd_expand`` (and torch)
       imported, so a run starts in milliseconds (Python's :mod:`multiprocessing.forkserver`; the test
-      suite uses it). The ranks run the code of those modules as the server imported it. Variables that torch, OpenMP, MKL and Inductor's config read at import
-      (names starting with ``TORCH``, ``PYTORCH``, ``OMP_``, ``MKL_``, ``KMP_``) hold the server's
-      values in a forked rank, so a run whose values of them differ from those the server started
-      with is spawned instead.
+      suite uses it). The ranks run the code of those modules as the server imported it.
+      Variables that torch, OpenMP, MKL and Inductor's config read at import (names starting with
+      ``TORCH``, ``PYTORCH``, ``OMP_``, ``MKL_``, ``KMP_``) hold the server's values in a forked
+      rank, so a run whose values of them differ from those the server started with is spawned
+      instead.
 
     Either way ``fn`` must be importable by its qualified name: a module-level function (or a
     picklable callable such as a ``functools.partial`` of one), in a module the ranks can import
